@@ -1,0 +1,221 @@
+"""Tests for the TRACE allocators: exactness against brute force, bounds, and edge cases."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trace_jax.rollout import allocation as alloc
+
+_SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
+_probs = st.floats(0.0, 1.0, allow_nan=False, width=32)
+
+
+def _brute_roots(p, budget, min_per_prompt, cap):
+  p = np.asarray(p, np.float64)
+  best = -np.inf
+  for ms in itertools.product(range(min_per_prompt, cap + 1), repeat=len(p)):
+    if sum(ms) == budget:
+      best = max(best, sum(1 - pi**m - (1 - pi) ** m for pi, m in zip(p, ms)))
+  return best
+
+
+def _roots_value(p, m):
+  p = np.asarray(p, np.float64)
+  return float(np.sum(1 - p**m - (1 - p) ** m))
+
+
+def test_root_value_basics():
+  np.testing.assert_allclose(alloc.root_value(0.5, 2), 0.5)
+  np.testing.assert_allclose(alloc.root_value(jnp.array([0.3, 0.0, 1.0]), 1), [0.0, 0.0, 0.0])
+  assert float(alloc.root_value(0.3, 0)) == 0.0
+  np.testing.assert_allclose(alloc.root_value(0.2, 3), 1 - 0.2**3 - 0.8**3, rtol=1e-6)
+
+
+@_SETTINGS
+@given(p=st.lists(_probs, min_size=3, max_size=3), budget=st.integers(3, 9),
+       min_per_prompt=st.integers(1, 2), cap=st.sampled_from([None, 4]))
+def test_allocate_roots_matches_brute_force(p, budget, min_per_prompt, cap):
+  if budget < 3 * min_per_prompt or (cap is not None and budget > 3 * cap):
+    return
+  m = np.asarray(alloc.allocate_roots(jnp.array(p), budget, min_per_prompt, cap))
+  assert m.sum() == budget and m.min() >= min_per_prompt
+  if cap is not None:
+    assert m.max() <= cap
+  best = _brute_roots(p, budget, min_per_prompt, budget if cap is None else cap)
+  np.testing.assert_allclose(_roots_value(p, m), best, atol=1e-5)
+
+
+def test_allocate_roots_prefers_uncertain_prompts_and_jits():
+  p = jnp.array([0.5, 0.02, 0.98, 0.4])
+  f = jax.jit(functools.partial(alloc.allocate_roots, budget=16, min_per_prompt=2))
+  m = np.asarray(f(p))
+  assert m.sum() == 16 and m.min() >= 2
+  assert m[0] > m[1] and m[0] > m[2] and m[3] > m[1]
+
+
+def test_allocate_roots_equal_predictions_round_robin():
+  m = np.asarray(alloc.allocate_roots(jnp.full((4,), 0.5), 10, 1))
+  np.testing.assert_array_equal(m, [3, 3, 2, 2])
+
+
+def test_allocate_roots_errors():
+  with pytest.raises(ValueError, match="budget 5 < num_prompts 3"):
+    alloc.allocate_roots(jnp.full((3,), 0.5), 5, 2)
+  with pytest.raises(ValueError, match="min_per_prompt must be >= 1"):
+    alloc.allocate_roots(jnp.full((3,), 0.5), 5, 0)
+  with pytest.raises(ValueError, match="max_per_prompt"):
+    alloc.allocate_roots(jnp.full((3,), 0.5), 10, 1, 3)
+
+
+_prefixes = jax.jit(alloc.allocate_prefixes,
+                    static_argnames=("max_per_anchor", "budget_unit", "cost_aware"))
+_tree_aware = jax.jit(alloc.allocate_prefixes_tree_aware,
+                      static_argnames=("max_per_anchor", "budget_unit", "cost_aware"))
+_CAP = 3
+
+
+def _all_counts(h):
+  return itertools.product(range(_CAP + 1), repeat=h)
+
+
+def _brute(value_fn, spend, budget, valid):
+  best = -np.inf
+  for k in _all_counts(len(spend)):
+    k = np.asarray(k)
+    if np.any(k[~valid] > 0) or np.dot(k, spend) > budget + 1e-6:
+      continue
+    best = max(best, value_fn(k))
+  return best
+
+
+def _sum_value(p, r, k, valid):
+  q = r * p + (1 - r) * (1 - p)
+  return float(np.sum(np.where(valid, 1 - q**k, 0.0)))
+
+
+def _tree_value(p, r, k, tree, mixed, valid, lam):
+  q = r * p + (1 - r) * (1 - p)
+  total = 0.0
+  for t in range(len(mixed)):
+    sel = (tree == t) & valid
+    if mixed[t]:
+      total += lam * np.sum(1 - q[sel] ** k[sel])
+    else:
+      total += 1 - np.prod(q[sel] ** k[sel])
+  return total
+
+
+_anchor = st.tuples(_probs, st.sampled_from([0.0, 1.0]), st.floats(1.0, 5.0, width=32),
+                    st.booleans())
+
+
+def _unpack(anchors):
+  p, r, c, v = (np.asarray(x) for x in zip(*anchors))
+  return p.astype(np.float64), r.astype(np.float64), c.astype(np.float64), v.astype(bool)
+
+
+@_SETTINGS
+@given(anchors=st.lists(_anchor, min_size=4, max_size=4), budget=st.integers(0, 8))
+def test_prefixes_rollout_budget_exact(anchors, budget):
+  p, r, c, v = _unpack(anchors)
+  k = np.asarray(_prefixes(p, r, c, budget, v, max_per_anchor=_CAP, cost_aware=False))
+  assert k.sum() == min(budget, _CAP * v.sum()) and np.all(k[~v] == 0) and k.max() <= _CAP
+  best = _brute(lambda kk: _sum_value(p, r, kk, v), np.ones(4), budget, v)
+  np.testing.assert_allclose(_sum_value(p, r, k, v), best, atol=1e-5)
+
+
+@_SETTINGS
+@given(anchors=st.lists(_anchor, min_size=4, max_size=4), budget=st.floats(0.0, 14.0, width=32))
+def test_prefixes_token_budget_within_knapsack_bound(anchors, budget):
+  p, r, c, v = _unpack(anchors)
+  k = np.asarray(_prefixes(p, r, c, budget, v, max_per_anchor=_CAP, budget_unit="tokens"))
+  assert np.dot(k, c) <= budget + 1e-4 and np.all(k[~v] == 0)
+  q = r * p + (1 - r) * (1 - p)
+  max_gain = float(np.max(np.where(v, 1 - q, 0.0), initial=0.0))
+  best = _brute(lambda kk: _sum_value(p, r, kk, v), c, budget, v)
+  assert _sum_value(p, r, k, v) >= best - max_gain - 1e-5
+
+
+@_SETTINGS
+@given(anchors=st.lists(_anchor, min_size=4, max_size=4), tree=st.lists(st.integers(0, 1), min_size=4,
+       max_size=4), mixed=st.lists(st.booleans(), min_size=2, max_size=2), budget=st.integers(0, 7))
+def test_tree_aware_rollout_budget_exact(anchors, tree, mixed, budget):
+  p, r, c, v = _unpack(anchors)
+  tree, mixed = np.asarray(tree), np.asarray(mixed)
+  k = np.asarray(_tree_aware(p, r, c, tree, mixed, budget, v, max_per_anchor=_CAP, lam=0.1,
+                             cost_aware=False))
+  assert k.sum() == min(budget, _CAP * v.sum())
+  value = lambda kk: _tree_value(p, r, kk, tree, mixed, v, 0.1)
+  np.testing.assert_allclose(value(k), _brute(value, np.ones(4), budget, v), atol=1e-5)
+  got = float(alloc.tree_aware_objective(p, r, k, tree, mixed, v, 0.1))
+  np.testing.assert_allclose(got, value(k), atol=1e-5)
+
+
+@_SETTINGS
+@given(anchors=st.lists(_anchor, min_size=4, max_size=4),
+       mixed=st.lists(st.booleans(), min_size=4, max_size=4), budget=st.floats(0.0, 14.0, width=32))
+def test_tree_aware_single_anchor_trees_token_bound(anchors, mixed, budget):
+  p, r, c, v = _unpack(anchors)
+  tree, mixed = np.arange(4), np.asarray(mixed)
+  k = np.asarray(_tree_aware(p, r, c, tree, mixed, budget, v, max_per_anchor=_CAP, lam=0.1,
+                             budget_unit="tokens"))
+  assert np.dot(k, c) <= budget + 1e-4
+  q = r * p + (1 - r) * (1 - p)
+  first_gain = np.where(mixed, 0.1, 1.0) * (1 - q)
+  max_gain = float(np.max(np.where(v, first_gain, 0.0), initial=0.0))
+  value = lambda kk: _tree_value(p, r, kk, tree, mixed, v, 0.1)
+  assert value(k) >= _brute(value, c, budget, v) - max_gain - 1e-5
+
+
+def test_tree_aware_prefers_unmixed_trees_and_stops_spending_on_mixed():
+  # Same anchors in both trees; tree 0 is already mixed, tree 1 is not.
+  p = jnp.array([0.5, 0.5, 0.5, 0.5])
+  r = jnp.array([1.0, 1.0, 1.0, 1.0])
+  tree = jnp.array([0, 0, 1, 1])
+  mixed = jnp.array([True, False])
+  valid = jnp.ones(4, bool)
+  k = np.asarray(_tree_aware(p, r, jnp.ones(4), tree, mixed, 2, valid, max_per_anchor=4))
+  np.testing.assert_array_equal(k[:2], [0, 0])
+  assert k[2:].sum() == 2
+  # The summed objective cannot tell the trees apart and spreads over all four anchors.
+  k_sum = np.asarray(_prefixes(p, r, jnp.ones(4), 4, valid, max_per_anchor=4))
+  np.testing.assert_array_equal(k_sum, [1, 1, 1, 1])
+
+
+def test_prefixes_cost_aware_prefers_cheap_anchor():
+  p = jnp.array([0.5, 0.5])
+  r = jnp.array([1.0, 0.0])
+  k = np.asarray(_prefixes(p, r, jnp.array([10.0, 1.0]), 1, jnp.ones(2, bool), max_per_anchor=2))
+  np.testing.assert_array_equal(k, [0, 1])
+
+
+def test_prefixes_token_budget_and_caps():
+  p = jnp.array([0.9, 0.5, 0.1])
+  r = jnp.array([1.0, 1.0, 1.0])
+  costs = jnp.array([2.0, 3.0, 4.0])
+  valid = jnp.array([True, True, False])
+  k = np.asarray(_prefixes(p, r, costs, 100.0, valid, max_per_anchor=2, budget_unit="tokens"))
+  np.testing.assert_array_equal(k, [2, 2, 0])  # Caps bind before the budget.
+  k = np.asarray(_prefixes(p, r, costs, 4.0, valid, max_per_anchor=2, budget_unit="tokens"))
+  assert np.dot(k, costs) <= 4.0 and k.sum() >= 1
+  with pytest.raises(ValueError, match="budget_unit"):
+    alloc.allocate_prefixes(p, r, costs, 1, valid, 2, budget_unit="steps")
+
+
+def test_prefixes_vmap_over_batches():
+  p = jnp.array([[0.5, 0.9], [0.9, 0.5]])
+  r = jnp.ones((2, 2))
+  f = jax.vmap(lambda pp, rr: alloc.allocate_prefixes(pp, rr, jnp.ones(2), 1, jnp.ones(2, bool), 2))
+  np.testing.assert_array_equal(np.asarray(f(p, r)), [[1, 0], [0, 1]])
+
+
+def test_blend_with_outcomes():
+  out = alloc.blend_with_outcomes(jnp.array([0.5, 0.5, 0.2]), jnp.array([0.0, 3.0, 1.0]),
+                                  jnp.array([0.0, 4.0, 1.0]), 2.0)
+  np.testing.assert_allclose(out, [0.5, 4.0 / 6.0, 1.4 / 3.0], rtol=1e-6)
+  np.testing.assert_allclose(alloc.blend_with_outcomes(0.3, 0.0, 0.0, 0.0), 0.3)

@@ -1,0 +1,281 @@
+"""Where to spend the sampling budget: TRACE stage 1 (roots) and stage 2 (prefixes).
+
+All allocators are pure, jittable functions of arrays. Each returns integer counts of new
+rollouts (stage 1: per prompt) or continuations (stage 2: per candidate anchor).
+
+Stage 1 maximizes sum_i V_root(p_i, m_i) with V_root(p, m) = 1 - p^m - (1 - p)^m, the chance that m
+independent rollouts of a prompt with success probability p are mixed. Stage 2 values k continuations
+from an anchor h, whose rollout ended with outcome r, by V_pref(h, k) = 1 - q_h^k, where
+q_h = r p_h + (1 - r)(1 - p_h) is the chance that one continuation repeats r.
+
+The greedy loops run one pick per iteration, O(num_candidates) work each; budgets are hundreds to a few
+thousand picks, which is cheap next to sampling a single token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Keeps log(q) finite where q == 0 (a continuation surely differs from r); exp(k * log) -> 0 anyway.
+_TINY = 1e-30
+
+
+def root_value(p, m):
+  """Probability that `m` rollouts with success probability `p` hold both outcomes.
+
+  Args:
+    p: f32[...] success probabilities (clipped to [0, 1]).
+    m: i32[...] rollout counts, broadcastable with p.
+
+  Returns:
+    f32[...]: 1 - p^m - (1 - p)^m, and 0 for m = 0 (the formula would give -1 there).
+  """
+  p = jnp.clip(jnp.asarray(p, jnp.float32), 0.0, 1.0)
+  m = jnp.asarray(m)
+  mf = m.astype(jnp.float32)
+  return jnp.where(m >= 1, 1.0 - p**mf - (1.0 - p) ** mf, 0.0)
+
+
+def _root_gain(p, m):
+  """V_root(p, m + 1) - V_root(p, m), computed directly to avoid cancellation. f32[P]."""
+  mf = m.astype(jnp.float32)
+  gain = p**mf * (1.0 - p) + (1.0 - p) ** mf * p
+  # One rollout is never mixed, so the first one earns nothing on its own.
+  return jnp.where(m >= 1, gain, 0.0)
+
+
+def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: int | None = None):
+  """Stage 1: rollouts per prompt maximizing sum_i V_root(p_hat_i, m_i).
+
+  Constraints: sum_i m_i = budget and min_per_prompt <= m_i <= max_per_prompt. For m >= 1 the marginal
+  gain p^m (1 - p) + (1 - p)^m p is non-increasing in m (V_root is concave there), so handing out units
+  one at a time to the largest marginal gain is exact for this separable concave problem with box
+  constraints. At m = 0 it is not concave (the first rollout gains 0, the second 2p(1 - p)), which is
+  why min_per_prompt must be at least 1. Ties go to the lowest index, which makes equal predictions
+  round-robin.
+
+  Args:
+    p_hat: f32[P] predicted success probability per prompt.
+    budget: static int, total rollouts M_root.
+    min_per_prompt: static int >= 1.
+    max_per_prompt: static int or None (no cap).
+
+  Returns:
+    i32[P] rollout counts m.
+
+  Raises:
+    ValueError: if the budget cannot be split under the bounds (checked on static values, so also
+      under jit).
+  """
+  p_hat = jnp.asarray(p_hat, jnp.float32)
+  if p_hat.ndim != 1:
+    raise ValueError(f"p_hat must be f32[P], got shape {p_hat.shape}")
+  num_prompts = p_hat.shape[0]
+  budget = int(budget)
+  min_per_prompt = int(min_per_prompt)
+  if min_per_prompt < 1:
+    raise ValueError(
+        f"min_per_prompt must be >= 1 (got {min_per_prompt}): a lone rollout is never mixed, so "
+        "V_root is not concave at 0 and the greedy allocation would not be exact.")
+  if budget < num_prompts * min_per_prompt:
+    raise ValueError(
+        f"budget {budget} < num_prompts {num_prompts} * min_per_prompt {min_per_prompt}")
+  cap = budget if max_per_prompt is None else int(max_per_prompt)
+  if cap < min_per_prompt:
+    raise ValueError(f"max_per_prompt {cap} < min_per_prompt {min_per_prompt}")
+  if budget > num_prompts * cap:
+    raise ValueError(f"budget {budget} > num_prompts {num_prompts} * max_per_prompt {cap}")
+
+  p = jnp.clip(p_hat, 0.0, 1.0)
+  m0 = jnp.full((num_prompts,), min_per_prompt, jnp.int32)
+
+  def pick(_, m):
+    gain = jnp.where(m < cap, _root_gain(p, m), -jnp.inf)
+    return m.at[jnp.argmax(gain)].add(1)
+
+  return jax.lax.fori_loop(0, budget - num_prompts * min_per_prompt, pick, m0)
+
+
+def repeat_prob(p_hat, outcomes):
+  """q_h = r p + (1 - r)(1 - p): chance one continuation from h repeats the outcome r. f32[H]."""
+  p = jnp.clip(jnp.asarray(p_hat, jnp.float32), 0.0, 1.0)
+  r = jnp.clip(jnp.asarray(outcomes, jnp.float32), 0.0, 1.0)
+  return r * p + (1.0 - r) * (1.0 - p)
+
+
+def prefix_objective(p_hat, outcomes, counts, valid):
+  """Summed stage-2 objective sum_h valid_h (1 - q_h^{k_h}). Returns f32[]."""
+  q = repeat_prob(p_hat, outcomes)
+  v = 1.0 - q ** jnp.asarray(counts, jnp.float32)
+  return jnp.sum(jnp.where(valid, v, 0.0))
+
+
+def tree_aware_objective(p_hat, outcomes, counts, tree, tree_mixed, valid, lam=0.1):
+  """Tree-aware stage-2 objective.
+
+  sum over unmixed trees t of (1 - prod_{h in t} q_h^{k_h})  +  lam * sum over anchors h of mixed
+  trees of (1 - q_h^{k_h}).
+
+  Args:
+    p_hat, outcomes, counts: [H] per anchor; tree: i32[H] tree index in [0, T); valid: bool[H].
+    tree_mixed: bool[T] whether the tree's finished leaves already hold both outcomes.
+    lam: weight of extra turn-level contrast in already mixed trees.
+
+  Returns:
+    f32[] objective value.
+  """
+  q = repeat_prob(p_hat, outcomes)
+  k = jnp.asarray(counts, jnp.float32)
+  num_trees = tree_mixed.shape[0]
+  log_prod = _tree_log_prod(q, k, tree, valid, num_trees)
+  unmixed = jnp.sum(jnp.where(tree_mixed, 0.0, 1.0 - jnp.exp(log_prod)))
+  per_anchor = jnp.where(valid & tree_mixed[tree], 1.0 - q**k, 0.0)
+  return unmixed + lam * jnp.sum(per_anchor)
+
+
+def _tree_log_prod(q, k, tree, valid, num_trees):
+  """log prod_{h in t} q_h^{k_h} per tree. f32[T]."""
+  logq = jnp.log(jnp.maximum(q, _TINY))
+  contrib = jnp.where(valid & (k > 0), k * logq, 0.0)
+  seg = jnp.where(valid, tree, num_trees)  # Padding goes out of range and is dropped.
+  return jnp.zeros((num_trees,), jnp.float32).at[seg].add(contrib, mode="drop")
+
+
+def _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware):
+  """Hands out continuations one at a time to the best marginal gain (per cost) that still fits.
+
+  The whole budget is spent while any pick fits, even on near-zero gains, so methods compared at
+  equal budget really sample equally much. Stops early only when nothing fits (every anchor at its
+  cap, or every remaining cost above what is left of a token budget).
+  """
+  if budget_unit not in ("rollouts", "tokens"):
+    raise ValueError(f"budget_unit must be 'rollouts' or 'tokens', got {budget_unit!r}")
+  costs = jnp.asarray(costs, jnp.float32)
+  valid = jnp.asarray(valid, bool)
+  num = costs.shape[0]
+  spend = jnp.ones_like(costs) if budget_unit == "rollouts" else costs
+  cap = int(max_per_anchor)
+
+  def cond(state):
+    _, _, done = state
+    return ~done
+
+  def body(state):
+    k, left, _ = state
+    gain = gain_fn(k)
+    score = gain / costs if cost_aware else gain
+    fits = valid & (k < cap) & (spend <= left)
+    score = jnp.where(fits, score, -jnp.inf)
+    i = jnp.argmax(score)
+    ok = fits[i]
+    k = k.at[i].add(ok.astype(jnp.int32))
+    left = left - jnp.where(ok, spend[i], 0.0)
+    return k, left, ~ok
+
+  k0 = jnp.zeros((num,), jnp.int32)
+  state = (k0, jnp.asarray(budget, jnp.float32), jnp.asarray(cap <= 0))
+  k, _, _ = jax.lax.while_loop(cond, body, state)
+  return k
+
+
+def allocate_prefixes(p_hat, outcomes, costs, budget, valid, max_per_anchor: int, *,
+                      budget_unit: str = "rollouts", cost_aware: bool = True):
+  """Stage 2, summed objective: continuations per candidate anchor.
+
+  Greedy on the marginal gain of V_pref(h, k) = 1 - q_h^k, i.e. q_h^k (1 - q_h), divided by the cost
+  of one continuation from h when `cost_aware`. V_pref is concave in k, so:
+    - with budget_unit="rollouts" and cost_aware=False the greedy is exact;
+    - with budget_unit="tokens" (a knapsack) the greedy value is at least OPT minus the largest single
+      marginal gain (the fractional-knapsack bound: its picks up to the first one that does not fit
+      are an LP optimum's prefix);
+    - with budget_unit="rollouts" and cost_aware=True the cost only reorders equally priced picks,
+      trading some expected mixing for fewer generated tokens, as the method prescribes.
+
+  Args:
+    p_hat: f32[H] predicted success probability of each candidate prefix.
+    outcomes: f32[H] outcome r in [0, 1] of the rollout the prefix came from.
+    costs: f32[H] expected tokens still to generate from h (> 0).
+    budget: number of continuations ("rollouts") or generated tokens ("tokens"); may be traced.
+    valid: bool[H] candidate mask.
+    max_per_anchor: static int cap on continuations per anchor.
+    budget_unit: "rollouts" or "tokens".
+    cost_aware: rank by gain per cost (default) or by gain alone.
+
+  Returns:
+    i32[H] continuation counts.
+  """
+  q = repeat_prob(p_hat, outcomes)
+
+  def gain_fn(k):
+    return q ** k.astype(jnp.float32) * (1.0 - q)
+
+  return _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware)
+
+
+def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budget, valid,
+                                 max_per_anchor: int, lam: float = 0.1, *,
+                                 budget_unit: str = "rollouts", cost_aware: bool = True):
+  """Stage 2, tree-aware objective (see `tree_aware_objective`): continuations per anchor.
+
+  The marginal gain of one more continuation from anchor h is prod_t(k) (1 - q_h) in an unmixed tree
+  t (prod_t = current prod_{h' in t} q_{h'}^{k_{h'}}), and lam q_h^{k_h} (1 - q_h) in a mixed one.
+
+  Why greedy is a good heuristic here: per unmixed tree the value 1 - exp(sum_h k_h log q_h) is a
+  concave function of a non-negative linear function of k, hence DR-submodular. Within a tree every
+  pick multiplies the same prod_t, so with unit costs greedy fills the lowest-q anchors first, which is
+  the best way to spend any number n of units on that tree, and the tree's best value is concave in n.
+  The problem is then separable concave over trees and greedy is exact for a rollout budget ranked
+  without costs (tested against brute force). With per-anchor costs it becomes a knapsack over a
+  non-separable function and greedy-by-ratio is a heuristic without a general constant-factor bound;
+  for single-anchor trees it reduces to the separable case and keeps the OPT - max gain bound of
+  `allocate_prefixes` (tested).
+
+  Args:
+    p_hat, outcomes, costs, valid, max_per_anchor, budget, budget_unit, cost_aware: as in
+      `allocate_prefixes`.
+    tree: i32[H] tree index of each anchor, in [0, T).
+    tree_mixed: bool[T] whether each tree's finished leaves already hold both outcomes.
+    lam: weight of the per-anchor gain in already mixed trees.
+
+  Returns:
+    i32[H] continuation counts.
+  """
+  q = repeat_prob(p_hat, outcomes)
+  tree = jnp.asarray(tree, jnp.int32)
+  tree_mixed = jnp.asarray(tree_mixed, bool)
+  valid = jnp.asarray(valid, bool)
+  num_trees = tree_mixed.shape[0]
+  mixed_h = tree_mixed[jnp.clip(tree, 0, num_trees - 1)]
+
+  def gain_fn(k):
+    kf = k.astype(jnp.float32)
+    prod = jnp.exp(_tree_log_prod(q, kf, tree, valid, num_trees))
+    unmixed_gain = prod[jnp.clip(tree, 0, num_trees - 1)] * (1.0 - q)
+    mixed_gain = lam * q**kf * (1.0 - q)
+    return jnp.where(mixed_h, mixed_gain, unmixed_gain)
+
+  return _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware)
+
+
+def blend_with_outcomes(p_hat, successes, trials, prior_strength):
+  """Beta-posterior mean of a prefix's success probability given outcomes already seen under it.
+
+  Prior Beta(s p_hat, s (1 - p_hat)) with s = prior_strength, observations `successes` out of `trials`
+  (fractional rewards count fractionally): posterior mean (s p_hat + successes) / (s + trials). With
+  no trials this is p_hat; with s = 0 it is the empirical rate.
+
+  Args:
+    p_hat: f32[H]; successes: f32[H]; trials: f32[H]; prior_strength: scalar or f32[H], >= 0.
+
+  Returns:
+    f32[H] blended probabilities.
+  """
+  p_hat = jnp.asarray(p_hat, jnp.float32)
+  s = jnp.asarray(prior_strength, jnp.float32)
+  trials = jnp.asarray(trials, jnp.float32)
+  denom = s + trials
+  post = (s * p_hat + jnp.asarray(successes, jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
+  return jnp.where(denom > 0, post, p_hat)
+
