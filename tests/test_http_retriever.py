@@ -1,0 +1,213 @@
+"""HTTPRetriever against a real local retrieval server (127.0.0.1 only)."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from trace_jax.envs.http_retriever import HTTPRetriever
+from trace_jax.envs.http_retriever import RetrieverError
+from trace_jax.envs.http_retriever import RetrieverUnavailableError
+from trace_jax.envs.http_retriever import doc_from_json
+from trace_jax.envs.http_retriever import results_from_json
+from trace_jax.envs.http_retriever import serve
+from trace_jax.envs.types import Doc
+
+DOCS = [
+    Doc("0", "Ada Lovelace", "Ada Lovelace was born in London."),
+    Doc("1", "London", "London is located in England.\nIt is large."),  # Multi-line text.
+    Doc("2", "", "A passage without a title about Paris."),
+    Doc("3", "Zork Inc", "Zork Inc was founded by Ada Lovelace in Paris ✓."),
+    Doc("4", "Paris", "Paris is located in France."),
+]
+
+
+class WordOverlapRetriever:
+  """A tiny deterministic retriever: score = shared lowercase words (ties by doc order)."""
+
+  def __init__(self, docs):
+    self.docs = docs
+    self.calls = 0
+
+  def search(self, queries, k):
+    self.calls += 1
+    out = []
+    for q in queries:
+      words = set(q.lower().split())
+      scored = [(len(words & set(d.contents.lower().replace(".", "").split())) + 0.25 / (i + 1), i)
+                for i, d in enumerate(self.docs)]
+      scored.sort(key=lambda t: -t[0])
+      out.append([Doc(self.docs[i].id, self.docs[i].title, self.docs[i].text, s)
+                  for s, i in scored[:k]])
+    return out
+
+
+@pytest.fixture
+def server():
+  with serve(WordOverlapRetriever(DOCS), "127.0.0.1", 0) as srv:
+    yield srv
+
+
+def _post(url, body: bytes, path="/retrieve"):
+  req = urllib.request.Request(url + path, data=body, method="POST",
+                               headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(req, timeout=5) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]  # Closed on exit: nothing listens there.
+
+
+def test_round_trip_equals_direct_search(server):
+  queries = ["who founded zork inc", "where is london located", "paris passage", "nothing"]
+  client = HTTPRetriever(server.url, timeout_s=5)
+  got = client.search(queries, k=3)
+  assert got == server.retriever.search(queries, 3)
+  assert [d.id for d in got[0]] == ["3", "0", "1"]
+  assert got[1][0].text == "London is located in England.\nIt is large."
+  assert got[2][0] == Doc("2", "", "A passage without a title about Paris.", got[2][0].score)
+  assert client.search([], k=3) == []
+  assert client.health()["status"] == "ok"
+
+
+def test_batching_splits_requests(server):
+  queries = [f"query {i} paris" for i in range(10)]
+  direct = server.retriever.search(queries, 2)
+  assert HTTPRetriever(server.url, batch_size=3).search(queries, 2) == direct
+  assert server.counts() == {"requests": 4, "queries": 10}  # 3 + 3 + 3 + 1.
+  assert HTTPRetriever(server.url, batch_size=4, concurrency=3).search(queries, 2) == direct
+  assert server.counts() == {"requests": 7, "queries": 20}
+
+
+def test_search_r1_style_url_and_bare_documents(server):
+  client = HTTPRetriever(server.url + "/retrieve/")
+  assert client.url == server.url
+  status, body = _post(server.url, json.dumps(
+      {"queries": ["england large"], "topk": 2, "return_scores": False}).encode())
+  assert status == 200
+  assert body["result"][0][0] == {"id": "1", "contents": "London\nLondon is located in England."
+                                  "\nIt is large.", "title": "London",
+                                  "text": "London is located in England.\nIt is large."}
+  [[first, _]] = results_from_json(body, 1)
+  assert first == Doc("1", "London", "London is located in England.\nIt is large.", 0.0)
+
+
+def test_parses_other_servers_documents():
+  # Search-R1's server sends only id and contents; the title is the first line.
+  assert doc_from_json({"id": 7, "contents": '"Title"\nbody\nmore'}, 1.5) == Doc(
+      "7", '"Title"', "body\nmore", 1.5)
+  assert doc_from_json({"id": "8", "contents": "no title"}) == Doc("8", "", "no title", 0.0)
+  payload = {"result": [[{"document": {"id": "1", "contents": "T\nx"}, "score": 2.0}], []]}
+  assert results_from_json(payload, 2) == [[Doc("1", "T", "x", 2.0)], []]
+  with pytest.raises(RetrieverError, match="expected"):
+    results_from_json({"result": [[]]}, 2)
+  with pytest.raises(RetrieverError, match="contents"):
+    doc_from_json({"id": "1"})
+
+
+def test_bad_requests_get_json_errors(server):
+  cases = [
+      (b"{not json", "invalid JSON"),
+      (b'["a"]', "JSON object"),
+      (b'{"topk": 3}', "'queries'"),
+      (b'{"queries": ["a", 3]}', "'queries'"),
+      (b'{"queries": ["a"], "topk": 0}', "'topk'"),
+      (b'{"queries": ["a"], "topk": true}', "'topk'"),
+      (b'{"queries": ["a"], "return_scores": "yes"}', "'return_scores'"),
+  ]
+  for body, message in cases:
+    status, payload = _post(server.url, body)
+    assert status == 400 and message in payload["error"], (body, payload)
+  assert _post(server.url, b"{}", path="/search")[0] == 404
+  # The server still works after bad requests; none of them reached the retriever.
+  assert server.retriever.calls == 0
+  assert len(HTTPRetriever(server.url).search(["paris"], 1)[0]) == 1
+
+
+def test_client_error_is_not_retried(server):
+  client = HTTPRetriever(server.url + "/nope", max_retries=3, backoff_s=0.5)
+  start = time.monotonic()
+  with pytest.raises(RetrieverError, match="HTTP 404") as info:
+    client.search(["q"], 1)
+  assert not isinstance(info.value, RetrieverUnavailableError)
+  assert time.monotonic() - start < 0.5  # No backoff sleeps.
+
+
+def test_unreachable_server_raises_after_retries():
+  url = f"http://127.0.0.1:{_free_port()}"
+  client = HTTPRetriever(url, max_retries=2, backoff_s=0.02, timeout_s=0.5)
+  start = time.monotonic()
+  with pytest.raises(RetrieverUnavailableError) as info:
+    client.search(["q"], 3)
+  err = info.value
+  assert err.attempts == 3 and err.url == url + "/retrieve"
+  assert url in str(err) and "3 attempt" in str(err)
+  assert time.monotonic() - start >= 0.02 + 0.04  # Exponential backoff between attempts.
+
+
+def test_timeouts_are_retried_then_reported():
+  class Slow:
+    def search(self, queries, k):
+      time.sleep(0.6)
+      return [[] for _ in queries]
+
+  with serve(Slow(), "127.0.0.1", 0) as srv:
+    client = HTTPRetriever(srv.url, timeout_s=0.15, max_retries=1, backoff_s=0.01)
+    with pytest.raises(RetrieverUnavailableError, match="timed out"):
+      client.search(["q"], 1)
+    assert srv.counts()["requests"] == 2
+
+
+def test_server_errors_are_retried():
+  class Flaky(WordOverlapRetriever):
+    def search(self, queries, k):
+      if self.calls < 2:
+        self.calls += 1
+        raise RuntimeError("index not warm yet")
+      return super().search(queries, k)
+
+  with serve(Flaky(DOCS), "127.0.0.1", 0) as srv:
+    status, payload = _post(srv.url, b'{"queries": ["paris"]}')
+    assert status == 500 and "index not warm yet" in payload["error"]
+    client = HTTPRetriever(srv.url, max_retries=2, backoff_s=0.01)
+    assert client.search(["paris france"], 1)[0][0].id == "4"
+    assert srv.counts()["requests"] == 3
+
+
+def test_concurrent_clients(server):
+  queries = [f"where is {w}" for w in ("paris", "london", "zork", "ada")]
+  expected = server.retriever.search(queries, 2)
+  results, errors = [], []
+
+  def worker():
+    try:
+      results.append(HTTPRetriever(server.url, batch_size=1).search(queries, 2))
+    except Exception as e:  # Surfaced by the assert below.
+      errors.append(e)
+
+  threads = [threading.Thread(target=worker) for _ in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and results == [expected] * 6
+
+
+def test_argument_checks(server):
+  client = HTTPRetriever(server.url)
+  with pytest.raises(TypeError):
+    client.search("one string", 1)
+  with pytest.raises(ValueError):
+    client.search(["q"], 0)
+  with pytest.raises(ValueError):
+    HTTPRetriever(server.url, batch_size=0)
