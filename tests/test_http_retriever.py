@@ -1,7 +1,11 @@
 """HTTPRetriever against a real local retrieval server (127.0.0.1 only)."""
 
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -105,7 +109,7 @@ def test_search_r1_style_url_and_bare_documents(server):
 def test_parses_other_servers_documents():
   # Search-R1's server sends only id and contents; the title is the first line.
   assert doc_from_json({"id": 7, "contents": '"Title"\nbody\nmore'}, 1.5) == Doc(
-      "7", '"Title"', "body\nmore", 1.5)
+      "7", "Title", "body\nmore", 1.5)
   assert doc_from_json({"id": "8", "contents": "no title"}) == Doc("8", "", "no title", 0.0)
   payload = {"result": [[{"document": {"id": "1", "contents": "T\nx"}, "score": 2.0}], []]}
   assert results_from_json(payload, 2) == [[Doc("1", "T", "x", 2.0)], []]
@@ -211,3 +215,87 @@ def test_argument_checks(server):
     client.search(["q"], 0)
   with pytest.raises(ValueError):
     HTTPRetriever(server.url, batch_size=0)
+
+
+# ----------------------------------------------------------------------------- BM25 and the launcher
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = [
+    {"id": "d0", "contents": '"Ada Lovelace"\nAda Lovelace was born in London in 1815.'},
+    {"id": "d1", "contents": '"London"\nLondon is the capital of England.'},
+    {"id": "d2", "contents": '"Zork Inc"\nZork Inc was founded by Ada Lovelace.'},
+    {"id": "d3", "contents": '"Paris"\nParis is located in France.'},
+    {"id": "d4", "contents": "an untitled passage about the founder of Zork"},
+]
+BM25_QUERIES = ["who founded Zork Inc", "where was Ada Lovelace born", "capital of England",
+                "Paris France", "the"]
+
+
+def _write_corpus(path):
+  path.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+  return str(path)
+
+
+def test_bm25_round_trip_in_process(tmp_path):
+  from trace_jax.envs.retrieval import BM25Retriever
+
+  bm25 = BM25Retriever.from_jsonl(_write_corpus(tmp_path / "corpus.jsonl"))
+  with serve(bm25, "127.0.0.1", 0) as srv:
+    got = HTTPRetriever(srv.url, batch_size=2).search(BM25_QUERIES, 3)
+  expected = bm25.search(BM25_QUERIES, 3)
+  assert got == expected and got[0][0].id == "d2" and got[-1] == []
+  # A server that only sends Search-R1's id + contents yields the same Docs.
+  bare = [[doc_from_json({"id": d.id, "contents": d.contents}, d.score) for d in docs]
+          for docs in expected]
+  assert bare == expected
+
+
+def _launch(*args):
+  """Starts launch/retrieval_server.py on a free port; returns (process, url)."""
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "launch", "retrieval_server.py"), *args, "--port", "0"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+  line = proc.stdout.readline()
+  if not line:
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.communicate()[1]}")
+  match = re.search(r"on (http://127\.0\.0\.1:\d+)$", line.strip())
+  assert match, line
+  return proc, match.group(1)
+
+
+def _stop(proc):
+  proc.terminate()
+  _, err = proc.communicate(timeout=20)
+  assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("mode", ["corpus", "world"])
+def test_launcher_serves_corpus_and_world_dir(tmp_path, mode):
+  from trace_jax.envs.retrieval import BM25Retriever
+
+  corpus = _write_corpus(tmp_path / "corpus.jsonl")
+  bm25 = BM25Retriever.from_jsonl(corpus)
+  if mode == "corpus":
+    args = ("--corpus", corpus, "--save_index", str(tmp_path / "saved"))
+  else:
+    world = tmp_path / "world"
+    bm25.save(str(world / "index"))  # A world directory holding a saved index.
+    args = ("--world", str(world))
+  proc, url = _launch(*args)
+  try:
+    client = HTTPRetriever(url, timeout_s=10)
+    assert client.health()["status"] == "ok"
+    assert client.search(BM25_QUERIES, 2) == bm25.search(BM25_QUERIES, 2)
+  finally:
+    _stop(proc)
+  if mode == "corpus":  # --save_index wrote a loadable index.
+    assert BM25Retriever.load(str(tmp_path / "saved")).search(BM25_QUERIES, 2) == bm25.search(
+        BM25_QUERIES, 2)
+
+
+def test_launcher_rejects_empty_world_dir(tmp_path):
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "launch", "retrieval_server.py"), "--world",
+       str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0 and "no saved BM25 index" in out.stderr

@@ -7,7 +7,8 @@ The wire format is the one Search-R1's retrieval server speaks, so either side i
 
 With `"return_scores": false` each result is the bare document. Our server also sends `title` and
 `text` in each document so `Doc`s survive the round trip exactly; other servers' documents are split
-at the first newline of `contents`, as Search-R1 does when it formats passages. `GET /health`
+at the first newline of `contents` (title first, surrounding quotes dropped), as our BM25 retriever
+reads a Search-R1 corpus. `GET /health`
 answers `{"status": "ok", ...}`.
 
 Standard library only: the client runs in every rollout worker, the server in a small side process.
@@ -68,9 +69,12 @@ def doc_from_json(document: Any, score: float = 0.0) -> Doc:
     contents = document.get("contents")
     if not isinstance(contents, str):
       raise RetrieverError(f"document without string contents: {document!r:.80}")
-    # Search-R1 corpora put the title on the first line of `contents`.
+    # Search-R1 corpora put the (often quoted) title on the first line of `contents`; split it the
+    # way the local BM25 retriever does, so one corpus gives the same Docs locally and over HTTP.
     title, sep, text = contents.partition("\n")
-    if not sep:
+    if sep:
+      title, text = title.strip().strip('"'), text.strip()
+    else:
       title, text = "", contents
   return Doc(id=str(document.get("id", "")), title=title, text=text, score=float(score))
 

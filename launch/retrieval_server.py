@@ -1,0 +1,128 @@
+"""Serves a local retriever over Search-R1's retrieval HTTP API (`POST /retrieve`, `GET /health`).
+
+Rollout workers then use `HTTPRetriever("http://127.0.0.1:8000")`, and so does Search-R1's own
+training code, which speaks the same API.
+
+  # a saved BM25Retriever directory (BM25Retriever.save)
+  python launch/retrieval_server.py --index /data/wiki18_bm25
+  # a Search-R1 jsonl corpus ({"id", "contents"} a line), indexed on start; optionally saved
+  python launch/retrieval_server.py --corpus /data/wiki-18.jsonl --save_index /data/wiki18_bm25
+  # a directory holding a saved index or a corpus jsonl (e.g. a written synthetic world)
+  python launch/retrieval_server.py --world runs/world_seed0 --port 0   # prints the chosen port
+
+The first stdout line is `serving <what> (<n> docs) on http://HOST:PORT`, so scripts that start
+the server with `--port 0` can read the port from it.
+
+From Python, `serve(retriever, host, port)` (re-exported here from trace_jax.envs.http_retriever)
+starts the same server in a background thread and returns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import os
+import signal
+import sys
+
+from trace_jax.envs.http_retriever import DEFAULT_PORT
+from trace_jax.envs.http_retriever import RetrievalServer
+from trace_jax.envs.http_retriever import serve
+
+# A saved BM25Retriever directory is recognised by this file (see envs/retrieval.py).
+_INDEX_MARKER = "retriever.json"
+# Corpus file names tried, in order, inside a --world directory.
+_CORPUS_NAMES = ("corpus.jsonl", "docs.jsonl", "passages.jsonl")
+
+
+def _find_index(directory: str) -> str | None:
+  for candidate in (directory, os.path.join(directory, "index"),
+                    os.path.join(directory, "bm25"), os.path.join(directory, "retriever")):
+    if os.path.exists(os.path.join(candidate, _INDEX_MARKER)):
+      return candidate
+  return None
+
+
+def _find_corpus(directory: str) -> str | None:
+  for name in _CORPUS_NAMES:
+    if os.path.exists(os.path.join(directory, name)):
+      return os.path.join(directory, name)
+  corpora = sorted(glob.glob(os.path.join(directory, "*corpus*.jsonl")))
+  return corpora[0] if corpora else None
+
+
+def build_retriever(index: str | None = None, corpus: str | None = None,
+                    world: str | None = None, save_index: str | None = None):
+  """Builds the BM25 retriever to serve from exactly one of index / corpus / world.
+
+  Returns:
+    (retriever, description) where description says what is served.
+  """
+  if sum(x is not None for x in (index, corpus, world)) != 1:
+    raise ValueError("give exactly one of --index, --corpus, --world")
+  if world is not None:
+    if not os.path.isdir(world):
+      raise FileNotFoundError(f"--world {world}: not a directory")
+    index = _find_index(world)
+    if index is None:
+      corpus = _find_corpus(world)
+      if corpus is None:
+        raise FileNotFoundError(
+            f"--world {world}: no saved BM25 index ({_INDEX_MARKER}) and no corpus jsonl "
+            f"({', '.join(_CORPUS_NAMES)}) in it")
+  # Imported here so that `serve` can be imported without pulling in bm25s.
+  from trace_jax.envs.retrieval import BM25Retriever
+
+  if index is not None:
+    retriever, what = BM25Retriever.load(index), f"BM25 index {index}"
+  else:
+    retriever, what = BM25Retriever.from_jsonl(corpus), f"BM25 over {corpus}"
+    if save_index:
+      retriever.save(save_index)
+      logging.info("saved the BM25 index to %s", save_index)
+  return retriever, what
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--index", help="a saved BM25Retriever directory")
+  source.add_argument("--corpus", help="a Search-R1 jsonl corpus to index on start")
+  source.add_argument("--world", help="a directory with a saved index or a corpus jsonl")
+  parser.add_argument("--save_index", help="with --corpus: save the built index here")
+  parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+  parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+  parser.add_argument("--max_topk", type=int, default=1000, help="largest topk a request may ask")
+  parser.add_argument("--log_level", default="INFO")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+  retriever, what = build_retriever(args.index, args.corpus, args.world, args.save_index)
+  server: RetrievalServer = serve(retriever, args.host, args.port, start=False,
+                                  max_topk=args.max_topk)
+  n_docs = len(retriever) if hasattr(retriever, "__len__") else "?"
+  print(f"serving {what} ({n_docs} docs) on {server.url}", flush=True)
+
+  # SIGTERM (from a job scheduler or a parent process) shuts down like Ctrl-C.
+  def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+  signal.signal(signal.SIGTERM, _stop)
+  try:
+    server.serve_forever(poll_interval=0.2)
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.server_close()
+    logging.info("retrieval server on %s stopped", server.url)
+  return 0
+
+
+__all__ = ["build_retriever", "main", "serve"]
+
+if __name__ == "__main__":
+  sys.exit(main())
