@@ -143,7 +143,8 @@ def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
 def shard_state(state, mesh: Mesh, rules=DEFAULT_RULES):
   """Places every array of an nnx State in its logical sharding."""
   sh = state_shardings(state, mesh, rules)
-  return jax.tree.map(lambda v, s: jax.device_put(v, s), state, sh)
+  return jax.tree.map(lambda v, s: v.replace(jax.device_put(variable_value(v), s)), state, sh,
+                      is_leaf=_is_var)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
