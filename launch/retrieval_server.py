@@ -7,7 +7,7 @@ training code, which speaks the same API.
   python launch/retrieval_server.py --index /data/wiki18_bm25
   # a Search-R1 jsonl corpus ({"id", "contents"} a line), indexed on start; optionally saved
   python launch/retrieval_server.py --corpus /data/wiki-18.jsonl --save_index /data/wiki18_bm25
-  # a directory holding a saved index or a corpus jsonl (e.g. a written synthetic world)
+  # a synthetic world saved with World.save (or any directory with a saved index or corpus jsonl)
   python launch/retrieval_server.py --world runs/world_seed0 --port 0   # prints the chosen port
 
 The first stdout line is `serving <what> (<n> docs) on http://HOST:PORT`, so scripts that start
@@ -30,6 +30,8 @@ from trace_jax.envs.http_retriever import DEFAULT_PORT
 from trace_jax.envs.http_retriever import RetrievalServer
 from trace_jax.envs.http_retriever import serve
 
+# A directory written by synthetic_world.World.save.
+_WORLD_FILE = "world.json"
 # A saved BM25Retriever directory is recognised by this file (see envs/retrieval.py).
 _INDEX_MARKER = "retriever.json"
 # Corpus file names tried, in order, inside a --world directory.
@@ -64,13 +66,18 @@ def build_retriever(index: str | None = None, corpus: str | None = None,
   if world is not None:
     if not os.path.isdir(world):
       raise FileNotFoundError(f"--world {world}: not a directory")
+    if os.path.exists(os.path.join(world, _WORLD_FILE)):
+      from trace_jax.envs.synthetic_world import World  # Lazy: only worlds need it.
+
+      synthetic = World.load(world)
+      return synthetic.retriever(), f"synthetic world {world}"
     index = _find_index(world)
     if index is None:
       corpus = _find_corpus(world)
       if corpus is None:
         raise FileNotFoundError(
-            f"--world {world}: no saved BM25 index ({_INDEX_MARKER}) and no corpus jsonl "
-            f"({', '.join(_CORPUS_NAMES)}) in it")
+            f"--world {world}: no {_WORLD_FILE}, no saved BM25 index ({_INDEX_MARKER}) and no "
+            f"corpus jsonl ({', '.join(_CORPUS_NAMES)}) in it")
   # Imported here so that `serve` can be imported without pulling in bm25s.
   from trace_jax.envs.retrieval import BM25Retriever
 
@@ -89,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--index", help="a saved BM25Retriever directory")
   source.add_argument("--corpus", help="a Search-R1 jsonl corpus to index on start")
-  source.add_argument("--world", help="a directory with a saved index or a corpus jsonl")
+  source.add_argument("--world", help="a saved synthetic world, or a directory with a saved "
+                      "index or a corpus jsonl")
   parser.add_argument("--save_index", help="with --corpus: save the built index here")
   parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
   parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")

@@ -299,3 +299,19 @@ def test_launcher_rejects_empty_world_dir(tmp_path):
       [sys.executable, os.path.join(REPO, "launch", "retrieval_server.py"), "--world",
        str(tmp_path), "--port", "0"], capture_output=True, text=True, timeout=60)
   assert out.returncode != 0 and "no saved BM25 index" in out.stderr
+
+
+def test_launcher_serves_saved_synthetic_world(tmp_path):
+  from trace_jax.envs.synthetic_world import SyntheticWorldConfig
+  from trace_jax.envs.synthetic_world import generate_world
+
+  world = generate_world(SyntheticWorldConfig(seed=2, n_entities=120, n_train=8, n_test=4))
+  world.save(str(tmp_path / "world"))
+  queries = [ex.question for ex in world.test] + [world.corpus[5].id]
+  proc, url = _launch("--world", str(tmp_path / "world"))
+  try:
+    got = HTTPRetriever(url, timeout_s=10, batch_size=3).search(queries, 2)
+  finally:
+    _stop(proc)
+  assert got == world.retriever().search(queries, 2)
+  assert got[-1][0].id == world.corpus[5].id

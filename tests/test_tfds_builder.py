@@ -113,3 +113,18 @@ def test_read_in_fresh_process_without_builder_code(tmp_path):
 def test_nothing_to_build(tmp_path):
   with pytest.raises(ValueError, match="train_path"):
     build_qa_dataset(tmp_path)
+
+
+def test_build_from_saved_synthetic_world(tmp_path):
+  from trace_jax.envs.synthetic_world import SyntheticWorldConfig
+  from trace_jax.envs.synthetic_world import generate_world
+
+  world = generate_world(SyntheticWorldConfig(seed=3, n_entities=120, n_train=12, n_test=4))
+  world.save(str(tmp_path / "world"))
+  builder = build_qa_dataset(tmp_path / "tfds", world=tmp_path / "world", name="world3")
+  assert builder.info.metadata["test"]["input"] == f"synthetic world {tmp_path / 'world'}"
+  for split, records in (("train", world.train), ("test", world.test)):
+    got = list(qa_data_source(tmp_path / "tfds", split, name="world3"))
+    assert [(e.id, e.question, list(e.answers)) for e in got] == [
+        (r.id, r.question, r.answers) for r in records]
+    assert [e.meta for e in got] == [{**r.meta, "hops": r.hops} for r in records]

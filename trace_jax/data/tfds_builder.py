@@ -42,12 +42,14 @@ class QAConfig(tfds.core.BuilderConfig):
     source: overrides `QAExample.source` for every example.
     world: any object with `.train` / `.test` lists of records (objects or dicts) that have `id`,
       `question` and `answers` (or `answer`); used for splits without a path.
+    world_dir: the directory the world was loaded from, when it was (recorded as the input).
   """
 
   paths: dict[str, str] = dataclasses.field(default_factory=dict)
   format: str | None = None
   source: str | None = None
   world: Any = None
+  world_dir: str | None = None
 
 
 class TraceQA(tfds.core.GeneratorBasedBuilder):
@@ -143,7 +145,8 @@ def world_examples(records: Iterable[Any], source: str | None = None) -> list[QA
 
 def _inputs(config: QAConfig) -> dict[str, str]:
   """Split -> what it is built from, as recorded in the dataset metadata."""
-  inputs = dict.fromkeys(SPLITS, "synthetic world") if config.world is not None else {}
+  origin = f"synthetic world {config.world_dir}" if config.world_dir else "synthetic world"
+  inputs = dict.fromkeys(SPLITS, origin) if config.world is not None else {}
   return {**inputs, **config.paths}
 
 
@@ -158,7 +161,8 @@ def build_qa_dataset(data_dir: str | os.PathLike, train_path: str | None = None,
     data_dir: the TFDS data directory.
     train_path, test_path: local QA files of any `load_qa` format.
     name: the dataset's config name, e.g. "hotpotqa" or "synthetic_seed0".
-    world: a synthetic world (`.train` / `.test` record lists) for splits without a path.
+    world: a synthetic world (`.train` / `.test` record lists) for splits without a path, or the
+      directory a `synthetic_world.World` was saved to.
     format, source: passed to `load_qa`.
     extra_paths: more splits, e.g. {"validation": "dev.jsonl"}.
     overwrite: rebuild even if a build of this name and version exists.
@@ -170,12 +174,18 @@ def build_qa_dataset(data_dir: str | os.PathLike, train_path: str | None = None,
     ValueError: when nothing to build is given, or an existing build came from other inputs and
       `overwrite` is False (reusing it silently would train on the wrong data).
   """
+  if isinstance(world, (str, os.PathLike)):
+    from trace_jax.envs.synthetic_world import World  # Lazy: file datasets do not need it.
+
+    world_dir, world = os.path.abspath(world), World.load(os.fspath(world))
+  else:
+    world_dir = None
   paths = {k: os.path.abspath(v) for k, v in
            {"train": train_path, "test": test_path, **(extra_paths or {})}.items() if v}
   if not paths and world is None:
     raise ValueError("give train_path/test_path or a synthetic world")
   config = QAConfig(name=name, version=TraceQA.VERSION, paths=paths, format=format,
-                    source=source, world=world,
+                    source=source, world=world, world_dir=world_dir,
                     description=f"QA dataset {name} from {paths or 'a synthetic world'}")
   builder = TraceQA(data_dir=os.fspath(data_dir), config=config, file_format="array_record")
   mode = tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS
