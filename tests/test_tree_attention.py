@@ -145,6 +145,23 @@ def test_many_branches_span_several_row_blocks_and_pages_per_block():
   assert_close(out, oracle(tree), jnp.float32)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_key_splits(num_splits):
+  # block_k=4 with pages of 4 tokens -> 4 key blocks per prefix table; 8 splits clamp to 4.
+  tree = make_tree(8, num_groups=2, branches=3, prefix_pages=4, q_per_kv=2)
+  out = ta.tree_attention_pallas(*tree.args, block_k=4, num_splits=num_splits, interpret=True)
+  assert_close(out, oracle(tree), jnp.float32)
+
+
+def test_bad_shapes_raise():
+  tree = make_tree(0, num_kv_heads=2, q_per_kv=2)
+  q = tree.args[0][:, :3]  # 3 q heads over 2 kv heads
+  with pytest.raises(ValueError, match="multiple"):
+    ta.tree_attention_reference(q, *tree.args[1:])
+  with pytest.raises(ValueError, match="suffix"):
+    ta.tree_attention_pallas(*tree.args[:6], tree.args[6][:-1], tree.args[7], interpret=True)
+
+
 def test_custom_scale():
   tree = make_tree(4)
   out = ta.tree_attention_reference(*tree.args, sm_scale=0.3)
@@ -210,9 +227,20 @@ def test_dispatch(monkeypatch):
     ta.tree_attention(*tree.args)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_lowers_for_cuda(dtype):
-  tree = make_tree(0, num_kv_heads=2, q_per_kv=4, head_dim=64, page_size=16, dtype=dtype)
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (jnp.float32, dict()),
+        (jnp.bfloat16, dict()),
+        # Sampler-sized: 40 branches x 8 q heads per kv head -> 320 rows in 5 row blocks; prefix
+        # tables of 12 pages (not a power of two), split over keys.
+        (jnp.bfloat16, dict(num_slots=48, num_groups=2, branches=40, q_per_kv=8, head_dim=128,
+                            prefix_pages=12, suffix_pages=5)),
+    ],
+)
+def test_pallas_lowers_for_cuda(dtype, shape):
+  shape = dict(dict(num_kv_heads=2, q_per_kv=4, head_dim=64, page_size=16), **shape)
+  tree = make_tree(0, dtype=dtype, **shape)
   lowered = jax.jit(ta.tree_attention_pallas).trace(*tree.args).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   # One Triton kernel for the prefix phase and one for the suffix phase.

@@ -9,6 +9,7 @@ from trace_jax.kernels.tree_attention import MASK_VALUE
 from trace_jax.kernels.tree_attention import Partials
 from trace_jax.kernels.tree_attention import dense_attention_oracle
 from trace_jax.kernels.tree_attention import merge_partials
+from trace_jax.kernels.tree_attention import merge_split_partials
 from trace_jax.kernels.tree_attention import normalize_partials
 from trace_jax.kernels.tree_attention import paged_attention_reference
 from trace_jax.kernels.tree_attention import resolve_impl

@@ -68,9 +68,34 @@ def merge_partials(a: Partials, b: Partials) -> Partials:
   return Partials(o=a.o * ca[..., None] + b.o * cb[..., None], m=m, l=a.l * ca + b.l * cb)
 
 
+def merge_split_partials(p: Partials) -> Partials:
+  """Log-sum-exp merge over the leading axis (key splits): [C, ...] -> [...]."""
+  m = p.m.max(axis=0)
+  c = jnp.exp(p.m - m)
+  return Partials(o=(p.o * c[..., None]).sum(axis=0), m=m, l=(p.l * c).sum(axis=0))
+
+
 def normalize_partials(p: Partials) -> jax.Array:
   """o / l with rows that saw no keys mapped to zeros (not NaN)."""
   return p.o / jnp.where(p.l > 0, p.l, 1.0)[..., None]
+
+
+def _check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
+                     suffix_lens):
+  """Raises ValueError on inconsistent static shapes (cheap: runs at trace time only)."""
+  s, hq, d = q.shape
+  if k_pages.shape != v_pages.shape or k_pages.ndim != 4 or k_pages.shape[3] != d:
+    raise ValueError(f"k/v pages must be [num_pages, page_size, Hkv, {d}]: {k_pages.shape}, "
+                     f"{v_pages.shape}")
+  if hq % k_pages.shape[2]:
+    raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {k_pages.shape[2]}")
+  ng = group_pages.shape[0]
+  if group_lens.shape != (ng,) or group_slots.ndim != 2 or group_slots.shape[0] != ng:
+    raise ValueError(f"group shapes disagree: pages {group_pages.shape}, lens {group_lens.shape},"
+                     f" slots {group_slots.shape}")
+  if suffix_pages.ndim != 2 or suffix_pages.shape[0] != s or suffix_lens.shape != (s,):
+    raise ValueError(f"suffix shapes must be [{s}, Ps] and [{s}]: {suffix_pages.shape}, "
+                     f"{suffix_lens.shape}")
 
 
 def _resolve_scale(head_dim: int, sm_scale: float | None) -> float:
@@ -183,6 +208,8 @@ def tree_attention_reference(
     *, sm_scale=None,
 ):
   """Tree decode attention in pure jnp (layout in the module docstring). Returns [S, Hq, D]."""
+  _check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
+                   suffix_lens)
   s, hq, d = q.shape
   hkv = k_pages.shape[2]
   scale = _resolve_scale(d, sm_scale)
@@ -227,6 +254,11 @@ def dense_attention_oracle(q, k_seq, v_seq, lens, *, sm_scale=None):
 # - Keys (N): pages_per_block pages of page_size tokens are gathered per loop step, default
 #   block_k = pages_per_block * page_size = 64 tokens (4 pages of 16): big enough for efficient dots
 #   and memory transactions, small enough that masking waste on the last partial block is bounded.
+# - Key splits (flash-decoding): a tree step has few groups, so (group, kv head, row block) alone
+#   gives a handful of programs for a long shared prefix (1 group x 8 kv heads = 8 of ~132 SMs).
+#   The key blocks of a table are split over a fourth grid axis, enough splits to reach about
+#   TARGET_PROGRAMS programs (twice the SM count of current data-center GPUs); split partials merge
+#   by log-sum-exp in jnp. The suffix phase has one program per slot and usually needs no split.
 # - num_warps=4, num_stages=2: a small M tile; two stages overlap the next block's page gather.
 # Page tables are plain int arrays indexed in the kernel (no scalar prefetch, which Triton lacks);
 # one program per (group or slot, kv head, row block) loops only over its valid key blocks.
@@ -241,6 +273,7 @@ def dense_attention_oracle(q, k_seq, v_seq, lens, *, sm_scale=None):
 DEFAULT_BLOCK_K = 64
 MAX_BLOCK_M = 64
 MIN_BLOCK_M = 16
+TARGET_PROGRAMS = 256
 
 
 def _paged_partials_kernel(
@@ -249,12 +282,13 @@ def _paged_partials_kernel(
     q_ref,  # [block_m, D]
     k_ref,  # [num_pages, page_size, D] (this kv head)
     v_ref,  # [num_pages, page_size, D]
-    o_ref,  # f32[block_m, D]
+    o_ref,  # f32[block_m, D]  (this key split's partial)
     m_ref,  # f32[block_m]
     l_ref,  # f32[block_m]
     *,
     sm_scale: float,
     pages_per_block: int,
+    blocks_per_split: int,
 ):
   block_m, d = q_ref.shape
   page_size = k_ref.shape[1]
@@ -285,7 +319,10 @@ def _paged_partials_kernel(
       jnp.full((block_m,), MASK_VALUE, jnp.float32),
       jnp.zeros((block_m,), jnp.float32),
   )
-  o, m, l = lax.fori_loop(0, pl.cdiv(length, block_k), body, init)
+  # This program's share of the key blocks, cut at the last block holding a valid token.
+  first = pl.program_id(3) * blocks_per_split
+  last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_k))
+  o, m, l = lax.fori_loop(first, jnp.maximum(first, last), body, init)
   o_ref[...] = o
   m_ref[...] = m
   l_ref[...] = l
@@ -300,8 +337,8 @@ def _prev_pow2(x: int) -> int:
 
 
 def _paged_partials_pallas(
-    rows, k_pages, v_pages, tables, lens, sm_scale, *, block_k, block_m, num_warps, num_stages,
-    interpret,
+    rows, k_pages, v_pages, tables, lens, sm_scale, *, block_k, block_m, num_splits, num_warps,
+    num_stages, interpret,
 ) -> Partials:
   """Pallas version of `_paged_partials_reference` (same shapes and semantics)."""
   n, hkv, m_rows, d = rows.shape
@@ -317,59 +354,71 @@ def _paged_partials_pallas(
   # Padding page ids are 0 (in range); their tokens lie past lens and are masked.
   tables = jnp.pad(tables.astype(jnp.int32), ((0, 0), (0, p_pad - p)))
   lens = jnp.minimum(lens.astype(jnp.int32), p * page_size)
+  num_blocks = p_pad // pages_per_block
+  programs = n * hkv * (m_pad // bm)
+  splits = num_splits or max(1, TARGET_PROGRAMS // max(programs, 1))
+  blocks_per_split = pl.cdiv(num_blocks, max(1, min(splits, num_blocks)))
+  splits = pl.cdiv(num_blocks, blocks_per_split)  # no split without key blocks
 
   kernel = functools.partial(
-      _paged_partials_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block
+      _paged_partials_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block,
+      blocks_per_split=blocks_per_split,
   )
   compiler_params = None
   if pltriton is not None and not interpret:
     compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  pool_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, h, j: (0, 0, h, 0))
+  # Grid (row group i, kv head h, row block j, key split c).
+  pool_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, h, j, c: (0, 0, h, 0))
   o, m, l = pl.pallas_call(
       kernel,
-      grid=(n, hkv, m_pad // bm),
+      grid=(n, hkv, m_pad // bm, splits),
       in_specs=[
-          pl.BlockSpec((None, p_pad), lambda i, h, j: (i, 0)),
-          pl.BlockSpec((1,), lambda i, h, j: (i,)),
-          pl.BlockSpec((None, None, bm, d), lambda i, h, j: (i, h, j, 0)),
+          pl.BlockSpec((None, p_pad), lambda i, h, j, c: (i, 0)),
+          pl.BlockSpec((1,), lambda i, h, j, c: (i,)),
+          pl.BlockSpec((None, None, bm, d), lambda i, h, j, c: (i, h, j, 0)),
           pool_spec,
           pool_spec,
       ],
       out_specs=[
-          pl.BlockSpec((None, None, bm, d), lambda i, h, j: (i, h, j, 0)),
-          pl.BlockSpec((None, None, bm), lambda i, h, j: (i, h, j)),
-          pl.BlockSpec((None, None, bm), lambda i, h, j: (i, h, j)),
+          pl.BlockSpec((None, None, None, bm, d), lambda i, h, j, c: (c, i, h, j, 0)),
+          pl.BlockSpec((None, None, None, bm), lambda i, h, j, c: (c, i, h, j)),
+          pl.BlockSpec((None, None, None, bm), lambda i, h, j, c: (c, i, h, j)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((n, hkv, m_pad, d), jnp.float32),
-          jax.ShapeDtypeStruct((n, hkv, m_pad), jnp.float32),
-          jax.ShapeDtypeStruct((n, hkv, m_pad), jnp.float32),
+          jax.ShapeDtypeStruct((splits, n, hkv, m_pad, d), jnp.float32),
+          jax.ShapeDtypeStruct((splits, n, hkv, m_pad), jnp.float32),
+          jax.ShapeDtypeStruct((splits, n, hkv, m_pad), jnp.float32),
       ],
       compiler_params=compiler_params,
       interpret=interpret,
-      name=f"tree_attention_paged_partials_bm{bm}_ppb{pages_per_block}",
+      name=f"tree_attention_paged_partials_bm{bm}_ppb{pages_per_block}_splits{splits}",
   )(tables, lens, rows, k_pages, v_pages)
-  return Partials(o=o[:, :, :m_rows], m=m[:, :, :m_rows], l=l[:, :, :m_rows])
+  merged = merge_split_partials(Partials(o=o, m=m, l=l))
+  return Partials(*(x[:, :, :m_rows] for x in merged))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_k", "block_m", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "sm_scale", "block_k", "block_m", "num_splits", "num_warps", "num_stages", "interpret"
+    ),
 )
 def tree_attention_pallas(
     q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens,
-    *, sm_scale=None, block_k=DEFAULT_BLOCK_K, block_m=None, num_warps=4, num_stages=2,
-    interpret=False,
+    *, sm_scale=None, block_k=DEFAULT_BLOCK_K, block_m=None, num_splits=None, num_warps=4,
+    num_stages=2, interpret=False,
 ):
   """Tree decode attention with Pallas kernels (layout in the module docstring).
 
-  The prefix kernel runs one program per (group, kv head, row block) with all branch queries of the
-  group stacked as the matmul rows; the suffix kernel is the same kernel with one slot per program.
-  Partials merge by log-sum-exp in jnp (a few elementwise ops on [S, Hq, D]).
+  The prefix kernel runs one program per (group, kv head, row block, key split) with all branch
+  queries of the group stacked as the matmul rows; the suffix kernel is the same kernel with one
+  slot per row group. Partials (splits, then prefix and suffix) merge by log-sum-exp in jnp.
 
   Args:
     block_k: keys per loop step, rounded down to whole pages (default 64 tokens).
     block_m: rows per program; default min(64, max(16, next_pow2(rows))).
+    num_splits: key splits per table (both phases); default: enough to reach ~TARGET_PROGRAMS
+      programs, at most one per key block.
     num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
     interpret: run the kernels with the Pallas interpreter (CPU tests).
 
@@ -379,12 +428,14 @@ def tree_attention_pallas(
   Returns:
     [S, Hq, D] in q.dtype.
   """
+  _check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
+                   suffix_lens)
   s, hq, d = q.shape
   hkv = k_pages.shape[2]
   scale = _resolve_scale(d, sm_scale)
   run = functools.partial(
       _paged_partials_pallas, sm_scale=scale, block_k=block_k, block_m=block_m,
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+      num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
   )
   prefix = run(_group_rows(q, group_slots, hkv), k_pages, v_pages, group_pages, group_lens)
   prefix = _prefix_partials_per_slot(prefix, group_slots, s)
@@ -434,6 +485,7 @@ __all__ = [
     "Partials",
     "dense_attention_oracle",
     "merge_partials",
+    "merge_split_partials",
     "normalize_partials",
     "paged_attention_reference",
     "resolve_impl",
