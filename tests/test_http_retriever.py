@@ -217,7 +217,7 @@ def test_argument_checks(server):
     HTTPRetriever(server.url, batch_size=0)
 
 
-# ----------------------------------------------------------------------------- BM25 and the launcher
+# ------------------------------------------------------------------------- BM25 and the launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = [

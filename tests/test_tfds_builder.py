@@ -102,7 +102,8 @@ def test_read_in_fresh_process_without_builder_code(tmp_path):
   os.remove(train)
   code = (
       "import sys, tensorflow_datasets as tfds\n"
-      f"ds = tfds.data_source('trace_qa/mixed', split='test', data_dir={str(tmp_path / 'tfds')!r})\n"
+      f"ds = tfds.data_source('trace_qa/mixed', split='test', "
+      f"data_dir={str(tmp_path / 'tfds')!r})\n"
       "print(len(ds), ds[3]['question'].decode())\n"
       "assert 'tensorflow' not in sys.modules\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

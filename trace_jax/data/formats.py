@@ -13,8 +13,8 @@ Supported (`format=` names):
 - `bamboogle` Bamboogle: `Question`, `Answer` as json, jsonl or csv.
 
 A record whose answers are missing or empty is skipped and counted, as is an unanswerable MuSiQue
-record; a record that is malformed in any other way raises `QAFormatError` naming the file, the record
-number and the field, because silently training on half-parsed data is worse than stopping.
+record; a record that is malformed in any other way raises `QAFormatError` naming the file, the
+record number and the field, because silently training on half-parsed data is worse than stopping.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _answers(*values: tuple[str, Any]) -> tuple[str, ...]:
       continue
     items = [value] if isinstance(value, (str, int, float)) else value
     if not isinstance(items, (list, tuple)):
-      raise _FieldError(field, f"expected a string or a list of strings, got {type(value).__name__}")
+      raise _FieldError(field, "expected a string or a list of strings, got "
+                        f"{type(value).__name__}")
     for item in items:
       if isinstance(item, bool) or not isinstance(item, (str, int, float)):
         raise _FieldError(field, f"expected answer strings, got {item!r:.80}")

@@ -48,7 +48,8 @@ class QAConfig(tfds.core.BuilderConfig):
   paths: dict[str, str] = dataclasses.field(default_factory=dict)
   format: str | None = None
   source: str | None = None
-  world: Any = None
+  # Not in the repr: TFDS logs the config, and a world's repr holds its whole corpus.
+  world: Any = dataclasses.field(default=None, repr=False)
   world_dir: str | None = None
 
 

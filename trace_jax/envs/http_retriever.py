@@ -1,6 +1,6 @@
 """Search-R1's retrieval HTTP API, both sides: `HTTPRetriever` (client) and `serve` (server).
 
-The wire format is the one Search-R1's retrieval server speaks, so either side interoperates with it:
+The wire format is the one Search-R1's retrieval server speaks, so each side works with the other:
 
   POST {url}/retrieve  {"queries": ["q1", ...], "topk": 3, "return_scores": true}
   ->  {"result": [[{"document": {"id": "7", "contents": "Title\\ntext"}, "score": 12.3}, ...], ...]}
