@@ -94,11 +94,10 @@ def plot(rows, path):
   for prefix, color in zip(sorted({r["prefix_len"] for r in rows}), ["C0", "C1", "C2", "C3"]):
     sel = [r for r in rows if r["prefix_len"] == prefix]
     b = [r["branches"] for r in sel]
-    axes[0].plot(b, [r["tree_ms"] for r in sel], "-o", color=color, label=f"tree, prefix {prefix}")
-    axes[0].plot(b, [r["dup_ms"] for r in sel], "--x", color=color, label=f"duplicated, prefix {prefix}")
-    axes[1].plot(b, [r["tree_kv_mib"] for r in sel], "-o", color=color, label=f"tree, prefix {prefix}")
-    axes[1].plot(b, [r["dup_kv_mib"] for r in sel], "--x", color=color,
-                 label=f"duplicated, prefix {prefix}")
+    for ax, key in ((axes[0], "ms"), (axes[1], "kv_mib")):
+      ax.plot(b, [r[f"tree_{key}"] for r in sel], "-o", color=color, label=f"tree, prefix {prefix}")
+      ax.plot(b, [r[f"dup_{key}"] for r in sel], "--x", color=color,
+              label=f"duplicated, prefix {prefix}")
   for ax, ylabel in zip(axes, ["decode step latency (ms, median)", "KV held (MiB)"]):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

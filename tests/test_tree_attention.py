@@ -18,7 +18,8 @@ TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rt
 
 @dataclasses.dataclass
 class Tree:
-  args: tuple  # (q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens)
+  # (q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens)
+  args: tuple
   k_seq: jax.Array  # [S, T, Hkv, D]: each slot's prefix tokens then its suffix tokens, zero padded
   v_seq: jax.Array
   lens: jax.Array  # i32[S] total tokens per slot

@@ -13,10 +13,10 @@ Layout (one layer):
   q:            [S, Hq, D]             one decode query per slot; Hq = G * Hkv, q head h uses kv
                                        head h // G.
   k_pages:      [num_pages, page_size, Hkv, D]   (v_pages alike)
-  group_pages:  i32[NG, Pg]            page ids of each group's prefix (padding ids must be in range)
+  group_pages:  i32[NG, Pg]            page ids of each group's prefix (padding ids in range)
   group_lens:   i32[NG]                valid prefix tokens per group (0 allowed)
-  group_slots:  i32[NG, B]             slots of each group, -1 padded; a slot is in at most one group,
-                                       a slot in no group has no prefix
+  group_slots:  i32[NG, B]             slots of each group, -1 padded; a slot is in at most one
+                                       group, a slot in no group has no prefix
   suffix_pages: i32[S, Ps], suffix_lens: i32[S]  (0 allowed)
   output:       [S, Hq, D], zeros for a slot with no tokens at all.
 
@@ -136,10 +136,10 @@ def _prefix_partials_per_slot(p: Partials, group_slots: jax.Array, num_slots: in
   g = bg // b
   flat = group_slots.reshape(-1)
   target = jnp.where(flat >= 0, flat, num_slots)  # -1 padding -> out of range -> dropped
-  slot_group = jnp.full((num_slots,), -1, jnp.int32)
-  slot_group = slot_group.at[target].set(jnp.repeat(jnp.arange(ng, dtype=jnp.int32), b), mode="drop")
-  slot_branch = jnp.zeros((num_slots,), jnp.int32)
-  slot_branch = slot_branch.at[target].set(jnp.tile(jnp.arange(b, dtype=jnp.int32), ng), mode="drop")
+  group_of_entry = jnp.repeat(jnp.arange(ng, dtype=jnp.int32), b)
+  branch_of_entry = jnp.tile(jnp.arange(b, dtype=jnp.int32), ng)
+  slot_group = jnp.full((num_slots,), -1, jnp.int32).at[target].set(group_of_entry, mode="drop")
+  slot_branch = jnp.zeros((num_slots,), jnp.int32).at[target].set(branch_of_entry, mode="drop")
   has_prefix = slot_group >= 0
   gi = jnp.maximum(slot_group, 0)
 
