@@ -1,0 +1,11 @@
+"""Environments: ReAct protocol, scoring, retrieval, the multi-hop env and the synthetic world."""
+
+from trace_jax.envs.env import EnvState, MultiHopEnv, StepResult, segments_to_tokens
+from trace_jax.envs.react import (
+    STOP_STRINGS, Action, format_observation, parse_action, truncate_observation,
+)
+from trace_jax.envs.retrieval import BM25Retriever, load_corpus_jsonl
+from trace_jax.envs.scoring import (
+    em_format_reward, em_reward, exact_match, f1, f1_reward, get_reward_fn, normalize_answer,
+)
+from trace_jax.envs.types import Doc, Retriever

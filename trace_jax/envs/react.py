@@ -1,0 +1,152 @@
+"""The ReAct turn protocol with Search-R1 tags: parsing actions and formatting observations.
+
+A turn is `<think> ... </think>` followed by exactly one action, `<search> query </search>` or
+`<answer> text </answer>`. Generation stops at a closing action tag (`STOP_STRINGS`); the tool's
+reply comes back as `<information> ... </information>`. Everything here is text in, text out, so
+the same code serves the synthetic world's word-level tokenizer and real subword tokenizers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal, Optional, Sequence, Union
+
+from trace_jax.envs.types import Doc
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+INFO_OPEN, INFO_CLOSE = "<information>", "</information>"
+ALL_TAGS = (
+    THINK_OPEN, THINK_CLOSE, SEARCH_OPEN, SEARCH_CLOSE, ANSWER_OPEN, ANSWER_CLOSE, INFO_OPEN,
+    INFO_CLOSE,
+)
+STOP_STRINGS = (SEARCH_CLOSE, ANSWER_CLOSE)
+
+_TAG_RE = re.compile("|".join(re.escape(t) for t in ALL_TAGS))
+
+ActionKind = Literal["search", "answer", "invalid"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  """A parsed turn. `content` is the stripped query or answer ('' when invalid)."""
+
+  kind: ActionKind
+  content: str = ""
+  error: Optional[str] = None
+
+
+def _invalid(error: str) -> Action:
+  return Action("invalid", "", error)
+
+
+def parse_action(text: Union[str, bytes, None]) -> Action:
+  """Parses one generated turn. Never raises; malformed output gives kind='invalid' and a reason.
+
+  Valid: at most one think block, closed, before exactly one closed search or answer block whose
+  content is non-empty and holds no tag. Text outside the tags is tolerated (models emit spaces
+  and newlines); a generated `<information>` tag (a hallucinated observation) is not.
+  """
+  if text is None:
+    return _invalid("empty output")
+  if isinstance(text, (bytes, bytearray)):
+    text = bytes(text).decode("utf-8", errors="replace")
+  if not isinstance(text, str):
+    return _invalid(f"output is {type(text).__name__}, not text")
+  if not text.strip():
+    return _invalid("empty output")
+
+  tags = [(m.group(0), m.start(), m.end()) for m in _TAG_RE.finditer(text)]
+  names = [t[0] for t in tags]
+  if INFO_OPEN in names or INFO_CLOSE in names:
+    return _invalid("generated an <information> tag")
+
+  n_actions = names.count(SEARCH_OPEN) + names.count(ANSWER_OPEN)
+  if n_actions == 0:
+    if SEARCH_CLOSE in names or ANSWER_CLOSE in names:
+      return _invalid("closing action tag without opening tag")
+    return _invalid("no <search> or <answer> action")
+  if n_actions > 1:
+    return _invalid("several actions in one turn")
+
+  # The think block, if any, must be closed before the action starts.
+  if names.count(THINK_OPEN) > 1 or names.count(THINK_CLOSE) > 1:
+    return _invalid("several think blocks")
+  if names.count(THINK_OPEN) != names.count(THINK_CLOSE):
+    return _invalid("unclosed think tag")
+
+  open_idx = names.index(SEARCH_OPEN) if SEARCH_OPEN in names else names.index(ANSWER_OPEN)
+  open_name = names[open_idx]
+  close_name = SEARCH_CLOSE if open_name == SEARCH_OPEN else ANSWER_CLOSE
+  kind: ActionKind = "search" if open_name == SEARCH_OPEN else "answer"
+  wrong_close = ANSWER_CLOSE if close_name == SEARCH_CLOSE else SEARCH_CLOSE
+  if wrong_close in names:
+    return _invalid(f"mismatched closing tag {wrong_close}")
+  if names.count(close_name) == 0:
+    return _invalid(f"unclosed {open_name} tag")
+  if names.count(close_name) > 1:
+    return _invalid(f"several {close_name} tags")
+  close_idx = names.index(close_name)
+  if close_idx < open_idx:
+    return _invalid(f"{close_name} before {open_name}")
+  if close_idx != open_idx + 1:
+    return _invalid(f"nested tag inside {open_name}")
+  if THINK_OPEN in names:
+    think_open, think_close = names.index(THINK_OPEN), names.index(THINK_CLOSE)
+    if not think_open < think_close < open_idx:
+      return _invalid("think block must be closed before the action")
+
+  content = text[tags[open_idx][2]:tags[close_idx][1]].strip()
+  if not content:
+    return _invalid(f"empty {kind}")
+  return Action(kind, content, None)
+
+
+def format_docs(docs: Sequence[Doc]) -> str:
+  """Search-R1's passage listing: `Doc 1(Title: t) text` one per line."""
+  return "\n".join(f"Doc {i + 1}(Title: {d.title}) {d.text}" for i, d in enumerate(docs))
+
+
+def format_observation(docs: Sequence[Doc]) -> str:
+  """Wraps retrieved passages in information tags; an empty result says so."""
+  body = format_docs(docs) if docs else "No results."
+  return f"{INFO_OPEN}{body}{INFO_CLOSE}"
+
+
+def format_invalid_observation(error: Optional[str] = None) -> str:
+  """Short corrective reply to an invalid action; kept brief so it costs few tokens."""
+  del error  # The reason goes to the env's info dict; the text stays fixed and learnable.
+  return (
+      f"{INFO_OPEN}Invalid action. Use {SEARCH_OPEN} query {SEARCH_CLOSE} or "
+      f"{ANSWER_OPEN} answer {ANSWER_CLOSE}.{INFO_CLOSE}"
+  )
+
+
+def format_error_observation() -> str:
+  """Reply when the retriever failed; the rollout continues."""
+  return f"{INFO_OPEN}Search failed. Try again.{INFO_CLOSE}"
+
+
+def truncate_observation(
+    token_ids: Sequence[int], max_tokens: int, closing_ids: Sequence[int]
+) -> list[int]:
+  """Cuts an observation to at most `max_tokens` tokens, keeping the closing tag at the end.
+
+  Args:
+    token_ids: int[T] token ids of one observation, normally ending with `closing_ids`.
+    max_tokens: the budget, closing tag included.
+    closing_ids: int[C] the ids of `</information>` in the caller's tokenizer.
+  Returns:
+    int[min(T, max_tokens)]: unchanged if it fits, else a prefix followed by `closing_ids`.
+  """
+  token_ids, closing_ids = list(token_ids), list(closing_ids)
+  if max_tokens < len(closing_ids):
+    raise ValueError(f"max_tokens={max_tokens} cannot hold the closing tag ({len(closing_ids)} ids)")
+  if len(token_ids) <= max_tokens:
+    return token_ids
+  body = token_ids
+  if closing_ids and body[-len(closing_ids):] == closing_ids:
+    body = body[:-len(closing_ids)]
+  return body[: max_tokens - len(closing_ids)] + closing_ids

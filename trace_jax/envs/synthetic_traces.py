@@ -1,0 +1,182 @@
+"""Scripted, imperfect expert traces for the synthetic world, and the SFT dataset built from them.
+
+The expert plans the question's chain hop by hop, searches with real BM25 (the world's retriever,
+top-k as in the environment), reads the first sentence in rank order that states the relation it
+wants, and follows the entity named there, right or wrong. Its mistakes:
+
+  * systematic: on trap relations it copies the question's wording ("founder of Zantro") with
+    probability `trap_rate`; that query surfaces a misleading passage, and the expert then
+    follows the wrong candidate to a wrong answer. The passage wording ("founded Zantro") is
+    in the traces too, but rarer;
+  * random: a near-duplicate or wrong entity in a query, a skipped intermediate hop, a premature
+    answer.
+
+Traces are exactly what `MultiHopEnv` would return for the same action texts, so they can be
+replayed in the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+from trace_jax.envs import prompts
+from trace_jax.envs.react import format_observation
+from trace_jax.envs.scoring import exact_match
+from trace_jax.envs.synthetic_world import (
+    CITY_COUNTRY_ALTERNATIVES, RELATIONS, QAExample, World,
+)
+from trace_jax.envs.types import Doc
+
+_NAME = r"([A-Z][A-Za-z]*)"
+
+
+@dataclasses.dataclass
+class Trace:
+  """turns: [(generated_text, observation_text or None for the final answer turn)].
+
+  meta: `searches` (one dict per search: relation, subject, query, wording, needed_doc_id, hit),
+  `errors` (random mistakes injected), `misled` (followed a misleading sentence).
+  """
+
+  turns: list
+  answer: str
+  correct: bool
+  meta: dict
+
+
+@dataclasses.dataclass
+class SFTRecord:
+  example: QAExample
+  trace: Trace
+
+  def segments(self) -> list[tuple[str, bool]]:
+    """[(text, is_generated)]: the prompt, then the turns; observations are not trained on."""
+    return trace_segments(self.example, self.trace)
+
+
+def _pattern(template: str, subject: str) -> re.Pattern:
+  rx = re.escape(template).replace(r"\{s\}", re.escape(subject))
+  rx = rx.replace(r"\{o\}", _NAME).replace(r"\{w\}", _NAME)
+  return re.compile(rf"(?<![A-Za-z]){rx}")
+
+
+def read_fact(docs: Sequence[Doc], relation: str, subject: str) -> tuple[Optional[str], str, bool]:
+  """The expert's reading: the first sentence, in rank order, that states `relation(subject)`.
+
+  Returns (object or None, the sentence without its final period, whether it was misleading).
+  """
+  rel = RELATIONS[relation]
+  templates = [(rel.fact, False)]
+  if relation == "city_country":
+    templates.extend((t, False) for t in CITY_COUNTRY_ALTERNATIVES)
+  if rel.misleading:
+    templates.append((rel.misleading, True))
+  patterns = [(_pattern(t, subject), misleading) for t, misleading in templates]
+  for doc in docs:
+    best = None
+    for pat, misleading in patterns:
+      m = pat.search(doc.text)
+      if m and (best is None or m.start() < best[0].start()):
+        best = (m, misleading)
+    if best is not None:
+      m, misleading = best
+      return m.group(1), m.group(0).rstrip(" ."), misleading
+  return None, "", False
+
+
+def _guess_name(docs: Sequence[Doc], exclude: str) -> Optional[str]:
+  for doc in docs:
+    for name in re.findall(r"\b[A-Z][a-z]+\b", doc.text):
+      if name != exclude:
+        return name
+  return None
+
+
+def _wrong_entity(world: World, name: str, rng: np.random.Generator) -> str:
+  if name in world.twins:
+    return world.twins[name]
+  etype = world.entities[name]
+  same = [n for n in world.entities if world.entities[n] == etype and n != name]
+  return same[int(rng.integers(len(same)))]
+
+
+def expert_trace(world: World, example: QAExample, rng: np.random.Generator) -> Trace:
+  """One imperfect expert rollout for `example` (see the module docstring for its mistakes)."""
+  cfg = world.config
+  plan = list(example.meta["relations"])
+  errors = []
+  if len(plan) >= 2 and rng.random() < cfg.skip_hop_rate:
+    del plan[int(rng.integers(len(plan) - 1))]
+    errors.append("skip_hop")
+  stop_after = len(plan)
+  if len(plan) >= 2 and rng.random() < cfg.premature_guess_rate:
+    stop_after = int(rng.integers(1, len(plan)))
+    errors.append("premature_guess")
+  plan = plan[:min(stop_after, cfg.max_turns - 1)]
+
+  current, statement = example.meta["start"], ""
+  turns, searches, misled = [], [], False
+  for relation in plan:
+    rel = RELATIONS[relation]
+    subject = current
+    wording = "passage"
+    if rng.random() < cfg.wrong_entity_rate:
+      subject = _wrong_entity(world, current, rng)
+      errors.append("wrong_entity")
+    if relation in cfg.trap_relations:
+      question_worded = rng.random() < cfg.trap_rate
+    else:  # Both wordings work here; use both so wording alone is not a tell.
+      question_worded = rng.random() < 0.5
+    if question_worded:
+      wording, query = "question", rel.question_query(subject)
+    else:
+      query = rel.query_passage.format(x=subject)
+    need = f"need {rel.noun} of {current}"
+    think = f"{statement} . {need}" if statement else need
+    docs = world.search([query])[0]
+    turns.append((f"<think> {think} </think> <search> {query} </search>", format_observation(docs)))
+    needed = world.needed_doc_id(relation, subject) if subject in world.facts[relation] else None
+    searches.append({
+        "relation": relation, "subject": subject, "query": query, "wording": wording,
+        "needed_doc_id": needed, "hit": needed is not None and any(d.id == needed for d in docs),
+    })
+    found, statement, was_misleading = read_fact(docs, relation, subject)
+    misled |= was_misleading
+    if found is None:
+      found = _guess_name(docs, exclude=subject) or subject
+      statement = f"no {rel.noun} of {subject} found"
+    current = found
+  think = statement or f"the answer is {current}"
+  turns.append((f"<think> {think} </think> <answer> {current} </answer>", None))
+  correct = bool(exact_match(current, example.answers))
+  return Trace(turns=turns, answer=current, correct=correct,
+               meta={"searches": searches, "errors": errors, "misled": misled})
+
+
+def trace_segments(example: QAExample, trace: Trace) -> list[tuple[str, bool]]:
+  """[(text, is_generated)] for the synthetic prompt followed by the trace's turns."""
+  segments = [(prompts.synthetic_prompt(example.question), False)]
+  for generated, observation in trace.turns:
+    segments.append((generated, True))
+    if observation is not None:
+      segments.append((observation, False))
+  return segments
+
+
+def make_sft_dataset(
+    world: World, n: int, rng: np.random.Generator, split: str = "train"
+) -> list[SFTRecord]:
+  """`n` expert traces on questions drawn uniformly (with replacement) from `split`.
+
+  Failed traces are kept on purpose: the expert does not know it failed, and dropping them would
+  remove the systematic mistake the RL stage is meant to discover.
+  """
+  examples = getattr(world, split)
+  if not examples:
+    raise ValueError(f"world has no {split!r} examples")
+  idx = rng.integers(len(examples), size=n)
+  return [SFTRecord(examples[i], expert_trace(world, examples[i], rng)) for i in idx]

@@ -1,0 +1,456 @@
+"""A seeded synthetic multi-hop world: entities, typed facts, one passage each, chained questions.
+
+Difficulty is built in, not sprinkled on (DESIGN.md §3):
+  * near-duplicate names (one letter apart) of the same type, so copying a name must be exact;
+  * distractor sentences in every passage mention other entities;
+  * two relations are "traps". Their fact is stated only in the *object's* passage ("Kelmor
+    founded Zantro ."), where the subject's name appears once, so the query's wording decides the
+    ranking. The wording a question suggests ("founder of Zantro") matches a planted misleading
+    sentence in a wrong candidate's passage ("Kelmar is called the founder of Zantro ."), which
+    then fills the top-k; the passage wording ("founded Zantro") finds the true fact. The expert
+    mostly uses the question's wording, so the better query exists in the traces but is rare,
+    and following the misleading passage leads to a wrong answer.
+
+Every text is lowercase template words around capitalized names, tokens separated by spaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+from trace_jax.envs.retrieval import BM25Retriever
+from trace_jax.envs.types import Doc
+
+ENTITY_TYPES = ("country", "city", "person", "company", "university")
+
+
+@dataclasses.dataclass(frozen=True)
+class Relation:
+  """A typed relation with its wordings.
+
+  fact: the true sentence; on_object_side: stored in the object's passage instead of the
+  subject's; noun: the question's noun phrase `the {noun} of X`; query_passage: a query in the
+  passage's words; misleading: the planted sentence matching the noun wording (trap relations).
+  """
+
+  name: str
+  subject_type: str
+  object_type: str
+  fact: str
+  noun: str
+  query_passage: str
+  on_object_side: bool = False
+  misleading: Optional[str] = None
+
+  def question_query(self, x: str) -> str:
+    return f"{self.noun} of {x}"
+
+
+RELATIONS = {
+    r.name: r
+    for r in [
+        Relation("born_in", "person", "city", "{s} was born in {o} .", "birthplace", "{x} born in"),
+        Relation("works_for", "person", "company", "{s} works for {o} .", "employer",
+                 "{x} works for"),
+        Relation("studied_at", "person", "university", "{s} studied at {o} .", "university",
+                 "{x} studied at"),
+        Relation("founded_by", "company", "person", "{o} founded {s} .", "founder", "founded {x}",
+                 on_object_side=True, misleading="{w} is called the founder of {s} ."),
+        Relation("company_city", "company", "city", "{s} is based in {o} .", "city",
+                 "{x} based in"),
+        Relation("uni_city", "university", "city", "{s} is located in {o} .", "city",
+                 "{x} located in"),
+        Relation("city_country", "city", "country", "{s} is a city in {o} .", "country",
+                 "{x} city in"),
+        Relation("capital", "country", "city", "the government of {s} sits in {o} .", "capital",
+                 "government of {x}", on_object_side=True,
+                 misleading="{w} was the old capital of {s} ."),  # Also states w's country.
+    ]
+}
+# A capital's (or old capital's) passage states its country through that sentence instead.
+CITY_COUNTRY_ALTERNATIVES = (
+    "the government of {o} sits in {s} .", "{s} was the old capital of {o} .",
+)
+
+# Relations that may follow each relation (by the object's type), minus immediate loops.
+_NEXT_BY_TYPE = {t: [r.name for r in RELATIONS.values() if r.subject_type == t]
+                 for t in ENTITY_TYPES}
+_FORBIDDEN_PAIRS = {("capital", "city_country")}
+
+DISTRACTOR_TEMPLATES = {
+    "person": "{s} once met {y} .",
+    "company": "{s} competes with {y} .",
+    "university": "{s} partners with {y} .",
+    "city": "{s} is twinned with {y} .",
+    "country": "{s} borders {y} .",
+}
+TYPE_INTROS = {"country": "{s} is a country .", "university": "{s} is a university ."}
+
+_ONSETS = ("b c d f g h k l m n p r s t v z br dr gr kr pl st tr th sk").split()
+_VOWELS = ("a", "e", "i", "o", "u")
+_CODAS = ("", "", "n", "r", "l", "s", "k", "m", "th")
+_RESERVED = {"Doc", "Title", "Invalid", "Use", "Search", "Try", "No"}
+
+
+@dataclasses.dataclass
+class SyntheticWorldConfig:
+  """Everything that shapes a world; the seed makes it reproducible."""
+
+  seed: int = 0
+  n_entities: int = 2000
+  type_fractions: tuple = (0.05, 0.25, 0.40, 0.15, 0.15)  # Order of ENTITY_TYPES.
+  near_duplicate_rate: float = 0.2  # Share of entities that are a one-letter twin of another.
+  works_for_rate: float = 0.5  # Persons with an employer; the others studied at a university.
+  distractors_per_passage: int = 1
+  max_passage_words: int = 24  # Distractors are only added while a passage stays this short.
+  n_train: int = 4000  # Questions; start entities are disjoint between splits.
+  n_test: int = 500
+  test_start_fraction: float = 0.2  # Share of entities that start only test questions.
+  hop_weights: tuple = (0.25, 0.3, 0.25, 0.2)  # P(1 hop), ..., P(4 hops).
+  topk: int = 2  # Passages per search (observations stay under ~64 tokens).
+  # BM25 parameters of world.retriever(). A low b: passages are all short, and length
+  # normalization would otherwise decide between passages that match the same terms.
+  bm25_k1: float = 1.5
+  bm25_b: float = 0.3
+  max_turns: int = 5
+  trap_relations: tuple = ("founded_by", "capital")
+  # Expert behaviour.
+  trap_rate: float = 0.7  # P(question wording) on a trap relation: the systematic mistake.
+  wrong_entity_rate: float = 0.04  # Per search: query names a near-duplicate or wrong entity.
+  skip_hop_rate: float = 0.05  # Per question of >= 2 hops: one intermediate hop is skipped.
+  premature_guess_rate: float = 0.05  # Per question of >= 2 hops: answers before the end.
+
+
+@dataclasses.dataclass(frozen=True)
+class QAExample:
+  """One question. meta: start, relations, chain (entities after each hop), needed_doc_ids."""
+
+  id: str
+  question: str
+  answers: list
+  hops: int
+  meta: dict
+
+
+@dataclasses.dataclass
+class World:
+  config: SyntheticWorldConfig
+  entities: dict  # name -> type
+  facts: dict  # relation -> {subject: object}
+  corpus: list  # list[Doc], doc id == entity name
+  train: list  # list[QAExample]
+  test: list
+  twins: dict  # name -> near-duplicate name (both directions)
+  traps: dict  # "relation|subject" -> wrong candidates planted for it
+  _retriever: Optional[BM25Retriever] = dataclasses.field(default=None, repr=False)
+  _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def retriever(self) -> BM25Retriever:
+    if self._retriever is None:
+      self._retriever = BM25Retriever.from_docs(
+          self.corpus, k1=self.config.bm25_k1, b=self.config.bm25_b)
+    return self._retriever
+
+  def search(self, queries: Sequence[str], k: Optional[int] = None) -> list[list[Doc]]:
+    """Cached batched search (queries repeat a lot across expert traces)."""
+    k = self.config.topk if k is None else k
+    missing = [q for q in dict.fromkeys(queries) if (q, k) not in self._cache]
+    if missing:
+      for q, docs in zip(missing, self.retriever().search(missing, k)):
+        self._cache[(q, k)] = docs
+    return [self._cache[(q, k)] for q in queries]
+
+  def needed_doc_id(self, relation: str, subject: str) -> str:
+    """Id of the passage that states the true fact `relation(subject)`."""
+    rel = RELATIONS[relation]
+    return self.facts[relation][subject] if rel.on_object_side else subject
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    payload = {
+        "config": dataclasses.asdict(self.config),
+        "entities": self.entities,
+        "facts": self.facts,
+        "corpus": [dataclasses.asdict(d) for d in self.corpus],
+        "train": [dataclasses.asdict(e) for e in self.train],
+        "test": [dataclasses.asdict(e) for e in self.test],
+        "twins": self.twins,
+        "traps": self.traps,
+    }
+    with open(os.path.join(directory, "world.json"), "w") as f:
+      json.dump(payload, f)
+
+  @classmethod
+  def load(cls, directory: str) -> "World":
+    path = os.path.join(directory, "world.json")
+    with open(path) as f:
+      p = json.load(f)
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
+    return cls(
+        config=SyntheticWorldConfig(**cfg), entities=p["entities"], facts=p["facts"],
+        corpus=[Doc(**d) for d in p["corpus"]], train=[QAExample(**e) for e in p["train"]],
+        test=[QAExample(**e) for e in p["test"]], twins=p["twins"], traps=p["traps"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation.
+
+
+def _make_names(n: int, rng: np.random.Generator) -> list[str]:
+  names, seen = [], set(_RESERVED)
+  while len(names) < n:
+    n_syl = rng.choice([2, 2, 3])
+    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(n_syl)]
+    name = ("".join(parts) + rng.choice(_CODAS)).capitalize()
+    if 4 <= len(name) <= 9 and name not in seen:
+      seen.add(name)
+      names.append(name)
+  return names
+
+
+def _twin_of(name: str, taken: set, rng: np.random.Generator) -> Optional[str]:
+  """A name one vowel away from `name` that is not taken yet."""
+  vowel_pos = [i for i, c in enumerate(name.lower()) if c in _VOWELS]
+  for _ in range(10):
+    i = int(rng.choice(vowel_pos))
+    v = rng.choice([u for u in _VOWELS if u != name[i].lower()])
+    twin = name[:i] + (v.upper() if i == 0 else v) + name[i + 1:]
+    if twin not in taken:
+      return twin
+  return None
+
+
+def _assign_entities(cfg: SyntheticWorldConfig, rng) -> tuple[dict, dict]:
+  counts = [max(2, int(round(f * cfg.n_entities))) for f in cfg.type_fractions]
+  names = _make_names(sum(counts), rng)
+  taken = set(names)
+  entities, twins, i = {}, {}, 0
+  for etype, count in zip(ENTITY_TYPES, counts):
+    block = names[i:i + count]
+    i += count
+    # Replace a share of the block by one-letter twins of other members of the block.
+    n_twins = int(cfg.near_duplicate_rate * count / 2)
+    for j in range(n_twins):
+      src, dst = 2 * j, 2 * j + 1
+      twin = _twin_of(block[src], taken, rng)
+      if twin is not None:
+        taken.discard(block[dst])
+        taken.add(twin)
+        block[dst] = twin
+        twins[block[src]], twins[twin] = twin, block[src]
+    for name in block:
+      entities[name] = etype
+  return entities, twins
+
+
+def _by_type(entities: dict) -> dict:
+  out = {t: [] for t in ENTITY_TYPES}
+  for name, t in entities.items():
+    out[t].append(name)
+  return out
+
+
+def _assign_facts(cfg, entities, rng) -> dict:
+  by_type = _by_type(entities)
+  pick = lambda t: by_type[t][int(rng.integers(len(by_type[t])))]
+  facts = {name: {} for name in RELATIONS}
+  countries = by_type["country"]
+  cities = list(by_type["city"])
+  rng.shuffle(cities)
+  # Every country gets at least two cities (a capital and a possible old capital); the rest
+  # are spread at random.
+  for i, city in enumerate(cities):
+    country = countries[i % len(countries)] if i < 2 * len(countries) else pick("country")
+    facts["city_country"][city] = country
+    if i < len(countries):
+      facts["capital"][country] = city
+  persons = list(by_type["person"])
+  founders = [str(p) for p in rng.permutation(persons)]
+  for i, c in enumerate(by_type["company"]):
+    facts["founded_by"][c] = founders[i % len(founders)]
+    facts["company_city"][c] = pick("city")
+  founder_set = set(facts["founded_by"].values())
+  for p in persons:
+    facts["born_in"][p] = pick("city")
+    # A founder who works for another company would match "founded X" queries for that
+    # company as well as the true founder does; founders studied instead.
+    if p not in founder_set and rng.random() < cfg.works_for_rate:
+      facts["works_for"][p] = pick("company")
+    else:
+      facts["studied_at"][p] = pick("university")
+  for u in by_type["university"]:
+    facts["uni_city"][u] = pick("city")
+  return facts
+
+
+def _plant_traps(cfg, entities, facts, twins, rng) -> dict:
+  """Chooses wrong candidates for every trap fact: topk - 1 of them, so with the subject's own
+  passage they fill the top-k of the question-worded query."""
+  by_type = _by_type(entities)
+  n_wrong = max(1, cfg.topk - 1)
+  # Sentences beyond the essentials per passage, kept low so passages stay short.
+  load = {name: 0 for name in entities}
+  for founder in facts["founded_by"].values():
+    load[founder] += 1
+  traps = {}
+  for relation in cfg.trap_relations:
+    rel = RELATIONS[relation]
+    pool = by_type[rel.object_type]
+    for subject, true_obj in facts[relation].items():
+      excluded = {true_obj, subject}
+      if relation == "founded_by":
+        # A founder or employee of another company carrying "founder of X" would also match
+        # queries about that company; wrong founders have no company of their own.
+        busy = set(facts["works_for"]) | set(facts["founded_by"].values())
+        pool = [p for p in by_type["person"] if p not in busy]
+      elif relation == "capital":
+        # The old capital is another city of the same country; its passage states the country
+        # only through the misleading sentence, so "capital" + country name singles it out.
+        pool = [c for c, k in facts["city_country"].items()
+                if k == subject and c != true_obj and load[c] == 0]
+      wrong = []
+      twin = twins.get(true_obj)
+      if twin is not None and twin not in excluded and twin in pool:
+        wrong.append(twin)
+      for _ in range(50):
+        if len(wrong) >= n_wrong or not pool:
+          break
+        cands = rng.choice(pool, size=min(8, len(pool)), replace=False)
+        best = min((c for c in cands if c not in excluded and c not in wrong),
+                   key=lambda c: load[c], default=None)
+        if best is not None:
+          wrong.append(str(best))
+      if not wrong:
+        continue  # E.g. a country with a single city: no old capital to plant.
+      for w in wrong:
+        load[w] += 1
+      traps[f"{relation}|{subject}"] = wrong
+  return traps
+
+
+def _write_corpus(cfg, entities, facts, twins, traps, rng) -> list[Doc]:
+  by_type = _by_type(entities)
+  sentences = {name: [] for name in entities}
+  for name, etype in entities.items():
+    if etype in TYPE_INTROS:
+      sentences[name].append(TYPE_INTROS[etype].format(s=name))
+  capitals = {city: country for country, city in facts["capital"].items()}
+  old_capitals = {w for key, ws in traps.items() if key.startswith("capital|") for w in ws}
+  for relation, table in facts.items():
+    rel = RELATIONS[relation]
+    for s, o in table.items():
+      if relation == "city_country" and (s in capitals or s in old_capitals):
+        continue  # Stated by the capital or old-capital sentence.
+      text = rel.fact.format(s=s, o=o)
+      sentences[o if rel.on_object_side else s].append(text)
+  for key, wrong in traps.items():
+    relation, subject = key.split("|")
+    for w in wrong:
+      sentences[w].append(RELATIONS[relation].misleading.format(w=w, s=subject))
+  for name, etype in entities.items():
+    for _ in range(cfg.distractors_per_passage):
+      # Mention the twin of something this passage talks about when there is one.
+      mentioned = [t for t in re.findall(r"[A-Z][a-z]+", " ".join(sentences[name]))
+                   if t != name and entities.get(t) == etype and t in twins]
+      if mentioned and rng.random() < 0.5:
+        y = twins[mentioned[int(rng.integers(len(mentioned)))]]
+      else:
+        y = by_type[etype][int(rng.integers(len(by_type[etype])))]
+      n_words = sum(len(x.split()) for x in sentences[name])
+      if y != name and n_words + 5 <= cfg.max_passage_words:
+        sentences[name].append(DISTRACTOR_TEMPLATES[etype].format(s=name, y=y))
+  corpus = []
+  for name in entities:
+    corpus.append(Doc(id=name, title=name, text=" ".join(sentences[name])))
+  return corpus
+
+
+def _sample_chain(start, n_hops, entities, facts, rng):
+  chain, relations, current = [start], [], start
+  for _ in range(n_hops):
+    options = [r for r in _NEXT_BY_TYPE[entities[current]]
+               if current in facts[r]
+               and not (relations and (relations[-1], r) in _FORBIDDEN_PAIRS)]
+    if not options:
+      return None
+    r = options[int(rng.integers(len(options)))]
+    nxt = facts[r][current]
+    if nxt in chain:
+      return None
+    relations.append(r)
+    chain.append(nxt)
+    current = nxt
+  return relations, chain
+
+
+def question_text(start: str, relations: Sequence[str]) -> str:
+  np_ = start
+  for r in relations:
+    np_ = f"the {RELATIONS[r].noun} of {np_}"
+  return f"what is {np_} ?"
+
+
+def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view) -> list[QAExample]:
+  weights = np.asarray(cfg.hop_weights, dtype=np.float64)
+  weights = weights / weights.sum()
+  out, seen = [], set()
+  attempts = 0
+  while len(out) < n and attempts < 20 * n:
+    attempts += 1
+    n_hops = int(rng.choice(len(weights), p=weights)) + 1
+    # Long chains exist from few start types; retry starts so the hop mix follows the weights.
+    for _ in range(100):
+      start = starts[int(rng.integers(len(starts)))]
+      sampled = _sample_chain(start, n_hops, entities, facts, rng)
+      if sampled is not None:
+        break
+    if sampled is None:
+      continue
+    relations, chain = sampled
+    q = question_text(start, relations)
+    if q in seen:
+      continue
+    seen.add(q)
+    needed = [world_view(r, s) for r, s in zip(relations, chain[:-1])]
+    out.append(QAExample(
+        id=f"{split}-{len(out)}", question=q, answers=[chain[-1]], hops=n_hops,
+        meta={"start": start, "relations": relations, "chain": chain,
+              "needed_doc_ids": needed, "split": split},
+    ))
+  return out
+
+
+def generate_world(cfg: Optional[SyntheticWorldConfig] = None) -> World:
+  """Builds a world from `cfg` (defaults: seed 0, 2000 entities). Deterministic in the seed."""
+  cfg = cfg or SyntheticWorldConfig()
+  if len(cfg.type_fractions) != len(ENTITY_TYPES):
+    raise ValueError(f"type_fractions needs {len(ENTITY_TYPES)} entries {ENTITY_TYPES}")
+  if not 1 <= len(cfg.hop_weights) <= 4:
+    raise ValueError("hop_weights gives P(1..n hops) for n <= 4")
+  unknown = set(cfg.trap_relations) - {r for r in RELATIONS if RELATIONS[r].misleading}
+  if unknown:
+    raise ValueError(f"trap relations must be among {['founded_by', 'capital']}, got {unknown}")
+  rng = np.random.default_rng(cfg.seed)
+  entities, twins = _assign_entities(cfg, rng)
+  facts = _assign_facts(cfg, entities, rng)
+  traps = _plant_traps(cfg, entities, facts, twins, rng)
+  corpus = _write_corpus(cfg, entities, facts, twins, traps, rng)
+  world = World(cfg, entities, facts, corpus, [], [], twins, traps)
+
+  names = list(entities)
+  order = rng.permutation(len(names))
+  n_test_starts = max(1, int(cfg.test_start_fraction * len(names)))
+  test_starts = [names[i] for i in order[:n_test_starts]]
+  train_starts = [names[i] for i in order[n_test_starts:]]
+  world.train = _make_questions(cfg, entities, facts, train_starts, cfg.n_train, "train", rng,
+                                world.needed_doc_id)
+  world.test = _make_questions(cfg, entities, facts, test_starts, cfg.n_test, "test", rng,
+                               world.needed_doc_id)
+  return world
