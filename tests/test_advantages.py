@@ -240,6 +240,7 @@ def test_ownership_covers_each_generated_node_exactly_once(seed):
   order = rng.permutation(ids.shape[0])
   ids = ids[order]
   mask = np.asarray(jax.jit(adv.ownership_mask, static_argnums=1)(ids, _N))
+  np.testing.assert_array_equal(np.asarray(jax.jit(adv.ownership_mask)(ids)), mask)
   assert not np.any(mask[ids < 0])
   for node in np.unique(ids[ids >= 0]):
     owners = [s for s in range(ids.shape[0]) if np.any(mask[s] & (ids[s] == node))]

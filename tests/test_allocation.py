@@ -1,4 +1,4 @@
-"""Tests for the TRACE allocators (exactness against brute force, bounds) and baseline strategies."""
+"""Tests for the TRACE allocators (exactness vs brute force, bounds) and baseline strategies."""
 
 import functools
 import itertools
@@ -143,8 +143,9 @@ def test_prefixes_token_budget_within_knapsack_bound(anchors, budget):
 
 
 @_SETTINGS
-@given(anchors=st.lists(_anchor, min_size=4, max_size=4), tree=st.lists(st.integers(0, 1), min_size=4,
-       max_size=4), mixed=st.lists(st.booleans(), min_size=2, max_size=2), budget=st.integers(0, 7))
+@given(anchors=st.lists(_anchor, min_size=4, max_size=4),
+       tree=st.lists(st.integers(0, 1), min_size=4, max_size=4),
+       mixed=st.lists(st.booleans(), min_size=2, max_size=2), budget=st.integers(0, 7))
 def test_tree_aware_rollout_budget_exact(anchors, tree, mixed, budget):
   p, r, c, v = _unpack(anchors)
   tree, mixed = np.asarray(tree), np.asarray(mixed)

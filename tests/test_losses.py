@@ -75,7 +75,7 @@ def test_loss_value_kl_entropy_and_metrics():
   np.testing.assert_allclose(m["entropy"], 2.0, rtol=1e-6)
   np.testing.assert_allclose(loss, m["pg_loss"] + 0.5 * m["kl_ref"] - 0.01 * 2.0, rtol=1e-5)
   assert float(m["num_tokens"]) == n
-  # The KL gradient pulls toward the reference: d/dnew of k3 = 1 - exp(ref - new) > 0 when new > ref.
+  # The KL gradient pulls toward the reference: d k3 / d new = 1 - exp(ref - new) > 0 if new > ref.
   g = jax.grad(lambda x: losses.ppo_clip_loss(x, x, jnp.zeros_like(x), mask, ref_logp=ref,
                                               kl_coef=1.0)[0])(new)
   np.testing.assert_allclose(g, (1 - np.exp(-0.3)) * mask / n, rtol=1e-4, atol=1e-7)

@@ -1,6 +1,7 @@
 """Advantages over a flat forest of rollout trees, and the token ownership mask.
 
-Flat tree contract (shared with the tree and sampler code), arrays over N nodes of one or more trees:
+Flat tree contract (shared with the tree and sampler code), arrays over N nodes of one or more
+trees:
   parent: i32[N]  parent index, -1 for a root (the prompt node, which has no generated tokens).
   is_leaf: bool[N]  a finished trajectory ends at this node.
   reward: f32[N]  terminal reward in [0, 1], read at leaves only.
@@ -10,14 +11,15 @@ Parents come before their children (parent[i] < i); `check_flat_tree` verifies i
 the contract on the host, for tests and debugging, never in a hot path. `max_depth` (static) bounds
 the depth of any node, the root having depth 0.
 
-Every function is a pure, jittable map of these arrays to per-node values. A node's advantage applies
-to its generated tokens; roots, padding and nodes without any finished leaf below get 0.
+Every function is a pure, jittable map of these arrays to per-node values. A node's advantage
+applies to its generated tokens; roots, padding and nodes without any finished leaf below get 0.
 
-Contrast target. A node whose parent has a single child has the same leaves, hence the same V, as that
-parent, so contrasting with the literal parent would give every later turn of an unbranched rollout
-zero advantage. All contrastive advantages here therefore compare a node with its *branch point*: the
-nearest proper ancestor that has at least two children, or the root. Nodes on an unbranched chain
-thus share one advantage, and a tree with no branching below the root gets exactly GRPO.
+Contrast target. A node whose parent has a single child has the same leaves, hence the same V, as
+that parent, so contrasting with the literal parent would give every later turn of an unbranched
+rollout zero advantage. All contrastive advantages here therefore compare a node with its *branch
+point*: the nearest proper ancestor that has at least two children, or the root. Nodes on an
+unbranched chain thus share one advantage, and a tree with no branching below the root gets exactly
+GRPO.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def _tree_leaf_stats(is_leaf, reward, tree, valid):
   count = jnp.zeros((n,), jnp.float32).at[seg].add(leaf, mode="drop")
   total = jnp.zeros((n,), jnp.float32).at[seg].add(leaf * reward, mode="drop")
   mean = total / jnp.maximum(count, 1.0)
-  sq = jnp.zeros((n,), jnp.float32).at[seg].add(leaf * (reward - mean[jnp.clip(seg, 0, n - 1)]) ** 2,
-                                                  mode="drop")
+  dev2 = leaf * (reward - mean[jnp.clip(seg, 0, n - 1)]) ** 2
+  sq = jnp.zeros((n,), jnp.float32).at[seg].add(dev2, mode="drop")
   std = jnp.sqrt(sq / jnp.maximum(count, 1.0))
   node_tree = jnp.clip(tree, 0, n - 1)
   return mean[node_tree], std[node_tree]
@@ -200,10 +202,10 @@ def grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
                     normalize: bool = True, eps: float = 1e-6):
   """GRPO on a tree: each leaf's group-relative advantage, group = all leaves of its tree.
 
-  A leaf l gets (r_l - mean_tree) / (sigma_tree + eps). A node shared by several leaves gets the mean
-  of their advantages, (V(c) - mean_tree) / (sigma_tree + eps), so training each shared node once (the
-  ownership mask) gives it the average of the per-leaf signals; on an unbranched path every node gets
-  its leaf's advantage, as in plain GRPO.
+  A leaf l gets (r_l - mean_tree) / (sigma_tree + eps). A node shared by several leaves gets the
+  mean of their advantages, (V(c) - mean_tree) / (sigma_tree + eps), so training each shared node
+  once (the ownership mask) gives it the average of the per-leaf signals; on an unbranched path
+  every node gets its leaf's advantage, as in plain GRPO.
 
   Returns:
     f32[N] per-node advantages.
@@ -222,8 +224,8 @@ def tree_grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *
   """Tree-GRPO advantage: GRPO over the prompt plus GRPO within the subtree of a first rollout.
 
   Tree-GRPO sums an inter-tree term (leaves of all trees of a prompt) and an intra-tree term (leaves
-  of the same tree). Here a prompt's rollouts form one tree whose root children are the first rollouts
-  and whose deeper branches expand them, so for a leaf l under the first-turn node s:
+  of the same tree). Here a prompt's rollouts form one tree whose root children are the first
+  rollouts and whose deeper branches expand them, so for a leaf l under the first-turn node s:
     A_l = (r_l - mean_prompt) / (sigma_prompt + eps) + (r_l - V(s)) / (sigma_s + eps),
   sigma_s the population std of the leaf rewards under s. Shared nodes c under s get the mean over
   their leaves: (V(c) - mean_prompt) / (sigma_prompt + eps) + (V(c) - V(s)) / (sigma_s + eps).
@@ -259,8 +261,8 @@ def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
   steps that would be trained once per leaf. Its steps are the segments between forks, so the parent
   step is the branch point b(c) here:
     A_c = ((V(c) - V(root)) + (V(c) - V(b(c)))) / sqrt(n_c).
-  V(root) is the mean leaf reward of the tree. With the ownership mask a shared node is trained once,
-  not n_c times; `sqrt_leaf_norm=False` drops the division.
+  V(root) is the mean leaf reward of the tree. With the ownership mask a shared node is trained
+  once, not n_c times; `sqrt_leaf_norm=False` drops the division.
 
   Returns:
     f32[N] per-node advantages.
@@ -275,7 +277,7 @@ def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
   return jnp.where(_trained(parent, valid, n), adv, 0.0)
 
 
-def ownership_mask(seq_node_ids, num_nodes: int):
+def ownership_mask(seq_node_ids, num_nodes: int | None = None):
   """Marks each node's tokens in exactly one training sequence: the first one that contains it.
 
   Training sequences are root-to-leaf paths, so a node shared by several leaves appears in several
@@ -284,7 +286,8 @@ def ownership_mask(seq_node_ids, num_nodes: int):
   Args:
     seq_node_ids: i32[S, T] node id of each token, -1 for tokens that are not generated (prompt,
       observations) or padding.
-    num_nodes: static int, N; node ids lie in [0, N).
+    num_nodes: optional static int N with node ids in [0, N): one O(S T) scatter. Without it the
+      first owner is found by sorting the S T (node, sequence) pairs.
 
   Returns:
     bool[S, T] True where the token is trained.
@@ -292,9 +295,19 @@ def ownership_mask(seq_node_ids, num_nodes: int):
   ids = jnp.asarray(seq_node_ids, jnp.int32)
   num_seqs = ids.shape[0]
   seq = jnp.broadcast_to(jnp.arange(num_seqs, dtype=jnp.int32)[:, None], ids.shape)
-  seg = jnp.where(ids >= 0, ids, num_nodes)
-  first = jnp.full((num_nodes,), num_seqs, jnp.int32).at[seg].min(seq, mode="drop")
-  return (ids >= 0) & (_gather(first, ids) == seq)
+  if num_nodes is not None:
+    seg = jnp.where(ids >= 0, ids, num_nodes)
+    first = jnp.full((num_nodes,), num_seqs, jnp.int32).at[seg].min(seq, mode="drop")
+    return (ids >= 0) & (_gather(first, ids) == seq)
+  flat_ids, flat_seq = ids.reshape(-1), seq.reshape(-1)
+  order = jnp.lexsort((flat_seq, flat_ids))  # By node, then sequence.
+  sorted_ids, sorted_seq = flat_ids[order], flat_seq[order]
+  pos = jnp.arange(flat_ids.shape[0])
+  starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+  run_start = jax.lax.cummax(jnp.where(starts, pos, 0))
+  owned_sorted = sorted_seq == sorted_seq[run_start]
+  owned = jnp.zeros_like(owned_sorted).at[order].set(owned_sorted)
+  return (ids >= 0) & owned.reshape(ids.shape)
 
 
 def token_advantages(node_advantages, seq_node_ids):

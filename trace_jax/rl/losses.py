@@ -24,8 +24,9 @@ def ppo_clip_loss(logp_new, logp_old, advantages, mask, *, eps_low: float = 0.2,
     pg = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)).
   A larger eps_high than eps_low (clip-higher) lets low-probability tokens with positive advantage
   grow further, which keeps entropy from collapsing. The KL to the reference uses the k3 estimator
-  exp(ref - new) - (ref - new) - 1, which is non-negative and unbiased under samples from the policy.
-  loss = mean(pg) + kl_coef mean(k3) - entropy_coef mean(entropy), token means over the batch.
+  exp(ref - new) - (ref - new) - 1, which is non-negative and unbiased under samples from the
+  policy. loss = mean(pg) + kl_coef mean(k3) - entropy_coef mean(entropy), token means over the
+  batch.
 
   Args:
     logp_new: f32[B, T] log-probs of the sampled tokens under the current policy.
@@ -49,7 +50,8 @@ def ppo_clip_loss(logp_new, logp_old, advantages, mask, *, eps_low: float = 0.2,
   logp_old = jax.lax.stop_gradient(logp_old)
   advantages = jax.lax.stop_gradient(advantages)
   num_tokens = jnp.sum(mask)
-  denom = jnp.maximum(num_tokens if normalizer is None else jnp.asarray(normalizer, jnp.float32), 1.0)
+  total = num_tokens if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+  denom = jnp.maximum(total, 1.0)
 
   log_ratio = logp_new - logp_old
   ratio = jnp.exp(log_ratio)

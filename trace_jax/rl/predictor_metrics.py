@@ -1,8 +1,8 @@
 """Host-side quality metrics of the success predictor (NumPy).
 
 Meant for predictions made at allocation time against the outcomes that followed: `p` are predicted
-success probabilities, `y` the observed outcomes in [0, 1] (a leaf's reward or a node's V). Brier and
-calibration use `y` as is; AUC needs classes and counts y >= 0.5 as a success.
+success probabilities, `y` the observed outcomes in [0, 1] (a leaf's reward or a node's V). Brier
+and calibration use `y` as is; AUC needs classes and counts y >= 0.5 as a success.
 """
 
 from __future__ import annotations

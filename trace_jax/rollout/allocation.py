@@ -4,19 +4,18 @@ All allocators are pure, jittable functions of arrays. Each returns integer coun
 rollouts (stage 1: per prompt) or continuations (stage 2: per candidate anchor).
 
 Stage 1 maximizes sum_i V_root(p_i, m_i) with V_root(p, m) = 1 - p^m - (1 - p)^m, the chance that m
-independent rollouts of a prompt with success probability p are mixed. Stage 2 values k continuations
-from an anchor h, whose rollout ended with outcome r, by V_pref(h, k) = 1 - q_h^k, where
-q_h = r p_h + (1 - r)(1 - p_h) is the chance that one continuation repeats r.
+independent rollouts of a prompt with success probability p are mixed. Stage 2 values k
+continuations from an anchor h, whose rollout ended with outcome r, by V_pref(h, k) = 1 - q_h^k,
+where q_h = r p_h + (1 - r)(1 - p_h) is the chance that one continuation repeats r.
 
-The greedy loops run one pick per iteration, O(num_candidates) work each; budgets are hundreds to a few
-thousand picks, which is cheap next to sampling a single token.
+The greedy loops run one pick per iteration, O(num_candidates) work each; budgets are hundreds to a
+few thousand picks, which is cheap next to sampling a single token.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Keeps log(q) finite where q == 0 (a continuation surely differs from r); exp(k * log) -> 0 anyway.
 _TINY = 1e-30
@@ -49,12 +48,12 @@ def _root_gain(p, m):
 def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: int | None = None):
   """Stage 1: rollouts per prompt maximizing sum_i V_root(p_hat_i, m_i).
 
-  Constraints: sum_i m_i = budget and min_per_prompt <= m_i <= max_per_prompt. For m >= 1 the marginal
-  gain p^m (1 - p) + (1 - p)^m p is non-increasing in m (V_root is concave there), so handing out units
-  one at a time to the largest marginal gain is exact for this separable concave problem with box
-  constraints. At m = 0 it is not concave (the first rollout gains 0, the second 2p(1 - p)), which is
-  why min_per_prompt must be at least 1. Ties go to the lowest index, which makes equal predictions
-  round-robin.
+  Constraints: sum_i m_i = budget and min_per_prompt <= m_i <= max_per_prompt. For m >= 1 the
+  marginal gain p^m (1 - p) + (1 - p)^m p is non-increasing in m (V_root is concave there), so
+  handing out units one at a time to the largest marginal gain is exact for this separable concave
+  problem with box constraints. At m = 0 it is not concave (the first rollout gains 0, the second
+  2p(1 - p)), which is why min_per_prompt must be at least 1. Ties go to the lowest index, which
+  makes equal predictions round-robin.
 
   Args:
     p_hat: f32[P] predicted success probability per prompt.
@@ -187,11 +186,12 @@ def allocate_prefixes(p_hat, outcomes, costs, budget, valid, max_per_anchor: int
   Greedy on the marginal gain of V_pref(h, k) = 1 - q_h^k, i.e. q_h^k (1 - q_h), divided by the cost
   of one continuation from h when `cost_aware`. V_pref is concave in k, so:
     - with budget_unit="rollouts" and cost_aware=False the greedy is exact;
-    - with budget_unit="tokens" (a knapsack) the greedy value is at least OPT minus the largest single
-      marginal gain (the fractional-knapsack bound: its picks up to the first one that does not fit
-      are an LP optimum's prefix);
-    - with budget_unit="rollouts" and cost_aware=True the cost only reorders equally priced picks,
-      trading some expected mixing for fewer generated tokens, as the method prescribes.
+    - with budget_unit="tokens" (a knapsack) the greedy value is at least OPT minus the largest
+      single marginal gain (the fractional-knapsack bound: its picks up to the first one that does
+      not fit are a prefix of an LP optimum);
+    - with budget_unit="rollouts" and cost_aware=True each pick costs one rollout but is ranked by
+      gain per expected token, trading some expected mixing for fewer generated tokens, as the
+      method prescribes; this is not exact for the rollout-count objective.
 
   Args:
     p_hat: f32[H] predicted success probability of each candidate prefix.
@@ -224,13 +224,13 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
 
   Why greedy is a good heuristic here: per unmixed tree the value 1 - exp(sum_h k_h log q_h) is a
   concave function of a non-negative linear function of k, hence DR-submodular. Within a tree every
-  pick multiplies the same prod_t, so with unit costs greedy fills the lowest-q anchors first, which is
-  the best way to spend any number n of units on that tree, and the tree's best value is concave in n.
-  The problem is then separable concave over trees and greedy is exact for a rollout budget ranked
-  without costs (tested against brute force). With per-anchor costs it becomes a knapsack over a
-  non-separable function and greedy-by-ratio is a heuristic without a general constant-factor bound;
-  for single-anchor trees it reduces to the separable case and keeps the OPT - max gain bound of
-  `allocate_prefixes` (tested).
+  pick multiplies the same prod_t, so with unit costs greedy fills the lowest-q anchors first, which
+  is the best way to spend any number n of units on that tree, and the tree's best value is concave
+  in n. The problem is then separable concave over trees and greedy is exact for a rollout budget
+  ranked without costs (tested against brute force). With per-anchor costs it becomes a knapsack
+  over a non-separable function and greedy-by-ratio is a heuristic without a general constant-factor
+  bound; for single-anchor trees it reduces to the separable case and keeps the OPT - max gain bound
+  of `allocate_prefixes` (tested).
 
   Args:
     p_hat, outcomes, costs, valid, max_per_anchor, budget, budget_unit, cost_aware: as in
@@ -262,9 +262,10 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
 def blend_with_outcomes(p_hat, successes, trials, prior_strength):
   """Beta-posterior mean of a prefix's success probability given outcomes already seen under it.
 
-  Prior Beta(s p_hat, s (1 - p_hat)) with s = prior_strength, observations `successes` out of `trials`
-  (fractional rewards count fractionally): posterior mean (s p_hat + successes) / (s + trials). With
-  no trials this is p_hat; with s = 0 it is the empirical rate.
+  Prior Beta(s p_hat, s (1 - p_hat)) with s = prior_strength, observations `successes` out of
+  `trials` (fractional rewards count fractionally): posterior mean
+  (s p_hat + successes) / (s + trials). With no trials this is p_hat; with s = 0 it is the
+  empirical rate.
 
   Args:
     p_hat: f32[H]; successes: f32[H]; trials: f32[H]; prior_strength: scalar or f32[H], >= 0.

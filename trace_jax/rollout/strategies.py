@@ -2,21 +2,21 @@
 
 Every strategy spends the same budget in two stages: stage 1 decides how many rollouts each prompt
 gets, stage 2 how many continuations each candidate anchor (an internal turn boundary of a finished
-stage-1 rollout) gets. The pieces below are pure functions of arrays; the TRACE allocators themselves
-live in `allocation.py`.
+stage-1 rollout) gets. The pieces below are pure functions of arrays; the TRACE allocators
+themselves live in `allocation.py`.
 
-  name       stage 1 (roots)                              stage 2 (anchors)
-  ---------  -------------------------------------------  ----------------------------------------------
-  trace      allocate_roots on predicted p (mixing value)  allocate_prefixes: summed 1 - q_h^k, per cost
-  trace_tree allocate_roots                                allocate_prefixes_tree_aware (mixes trees)
-  root_only  allocate_roots                                uniform_prefixes over all candidates
-  grpo       uniform_roots (all budget at the roots)       none
-  dapo       uniform_roots, oversampled; dapo_select       none
-             drops groups whose rewards are all equal and
-             charges their cost
-  tree_grpo  uniform_roots                                 random_anchors: uniform random anchors
-  arpo       uniform_roots                                 entropy_anchors: after tool calls where the
-                                                           next-token entropy is high
+  name        stage 1 (roots)                        stage 2 (anchors)
+  ----------  -------------------------------------  -------------------------------------------
+  trace       allocate_roots on predicted p          allocate_prefixes: summed 1 - q_h^k per cost
+  trace_tree  allocate_roots                         allocate_prefixes_tree_aware: mixes trees
+  root_only   allocate_roots                         uniform_prefixes over all candidates
+  grpo        uniform_roots (whole budget at roots)  none
+  dapo        uniform_roots, oversampled, then       none
+              dapo_select drops all-equal groups
+              and charges their cost
+  tree_grpo   uniform_roots                          random_anchors: uniformly random anchors
+  arpo        uniform_roots                          entropy_anchors: after tool calls where the
+                                                     next-token entropy is high
 
 `ROOT_ALLOCATION` and `PREFIX_ALLOCATION` give the same table as data, for dispatch.
 """
@@ -58,8 +58,8 @@ def uniform_roots(num_prompts: int, budget: int):
 class DapoSelection(NamedTuple):
   """Result of DAPO's dynamic sampling filter.
 
-  keep: bool[G] groups to train on. num_uniform: i32[] groups dropped because every reward was equal.
-  num_dropped: i32[] all dropped groups (uniform ones plus mixed ones beyond `max_groups`).
+  keep: bool[G] groups to train on. num_uniform: i32[] groups dropped because every reward was
+  equal. num_dropped: i32[] all dropped groups (uniform ones plus mixed ones beyond `max_groups`).
   dropped_rollouts: i32[] valid samples in dropped groups. dropped_cost: f32[] their summed cost.
   """
 
@@ -70,16 +70,16 @@ class DapoSelection(NamedTuple):
   dropped_cost: jax.Array
 
 
-def dapo_select(rewards, valid=None, costs=None, max_groups: int | None = None,
+def dapo_select(rewards_by_group, valid=None, costs=None, max_groups: int | None = None,
                 tol: float = 1e-6) -> DapoSelection:
-  """DAPO dynamic sampling: keep groups whose rewards are not all equal, counting what was thrown away.
+  """DAPO dynamic sampling: keep groups with unequal rewards, counting what was thrown away.
 
-  DAPO oversamples prompts and discards groups with zero reward variance, which carry no GRPO signal.
-  The discarded samples were still generated, so their cost goes into the ledger; that is what makes
-  the comparison at equal budget honest.
+  DAPO oversamples prompts and discards groups with zero reward variance, which carry no GRPO
+  signal. The discarded samples were still generated, so their cost goes into the ledger; that is
+  what makes the comparison at equal budget honest.
 
   Args:
-    rewards: f32[G, M] rewards of M samples for each of G groups (prompts).
+    rewards_by_group: f32[G, M] rewards of M samples for each of G groups (prompts).
     valid: optional bool[G, M] sample mask (ragged groups); None means all valid.
     costs: optional f32[G, M] cost of each sample (e.g. generated tokens); None counts 1 per sample.
     max_groups: optional static cap on kept groups (the target batch size); the first mixed groups
@@ -89,7 +89,7 @@ def dapo_select(rewards, valid=None, costs=None, max_groups: int | None = None,
   Returns:
     DapoSelection.
   """
-  rewards = jnp.asarray(rewards, jnp.float32)
+  rewards = jnp.asarray(rewards_by_group, jnp.float32)
   valid = jnp.ones(rewards.shape, bool) if valid is None else jnp.asarray(valid, bool)
   costs = jnp.ones(rewards.shape, jnp.float32) if costs is None else jnp.asarray(costs, jnp.float32)
   hi = jnp.max(jnp.where(valid, rewards, -jnp.inf), axis=1)
@@ -143,8 +143,8 @@ def entropy_anchors(entropy, valid, threshold: float | None = None, top_n: int |
                     branches_per_anchor: int = 1):
   """ARPO's stage 2: branch after tool calls where the policy is uncertain.
 
-  ARPO samples extra branches right after a tool result when the next-token entropy rises, since that
-  is where the rollout's direction is most open. Candidates are the turn boundaries after an
+  ARPO samples extra branches right after a tool result when the next-token entropy rises, since
+  that is where the rollout's direction is most open. Candidates are the turn boundaries after an
   observation; `entropy` is the entropy of the first token the policy would generate there.
 
   Args:
@@ -172,8 +172,8 @@ def entropy_anchors(entropy, valid, threshold: float | None = None, top_n: int |
 def uniform_prefixes(valid, budget, rng=None):
   """root_only's stage 2: the budget spread evenly over valid candidates.
 
-  The remainder goes one each to the first valid candidates in order, or, given `rng`, to a uniformly
-  random subset (so it does not always favor the first trees of a batch).
+  The remainder goes one each to the first valid candidates in order, or, given `rng`, to a
+  uniformly random subset (so it does not always favor the first trees of a batch).
 
   Args:
     valid: bool[H] candidate mask.
