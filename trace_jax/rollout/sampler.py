@@ -1,0 +1,471 @@
+"""Continuous-batching tree sampler over a paged KV pool.
+
+A fixed number of decode slots each hold one active branch (a rollout in progress). Every host
+iteration: free slots are refilled from pending branches (new prompts or forks), queued prefills
+(prompts, observations) run in fixed chunk buckets, then one jitted decode step advances every busy
+slot by one token. A turn ends on a stop string, EOS or a length limit; the environment callback
+runs, batched over the slots whose turns ended, and its observation is prefilled into the slot's
+pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
+tree attention kernel reads them once for all siblings); each copies only the anchor's last partial
+page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer can fork new
+branches from any anchor of a finished stage-1 tree.
+
+Shapes are static (slots, pool, prefill and page-table buckets), so after warm-up no step compiles.
+Token convention: the last token of a branch is *pending* (its K/V not yet written); the next
+decode step writes it and samples from its logits, so that step's hidden state is the predictor
+feature of the prefix ending at that token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from trace_jax.rollout import engine_ops, slot_tables
+from trace_jax.rollout.paged_kv import (NULL_PAGE, PageAllocator, PoolExhaustedError, copy_pages,
+                                        init_pool)
+from trace_jax.rollout.tree import Node, Tree
+
+DEFAULT_STOP_STRINGS = ("</search>", "</answer>")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  num_slots: int = 8                # concurrent branches (decode batch)
+  page_size: int = 16               # tokens per KV page
+  num_pages: int = 1024             # pages in the pool (page 0 is the null page)
+  max_seq_len: int = 512            # prompt + all turns + observations of one trajectory
+  max_turn_tokens: int = 64         # generated tokens per turn
+  max_obs_tokens: int = 64          # observation tokens kept per turn
+  max_turns: int = 5                # turns per trajectory
+  prefill_chunk: tuple = (32, 128)  # prefill chunk buckets (tokens per row per call)
+  prefill_batch: int = 4            # rows per prefill call
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                    # <= 0: off
+  greedy: bool = False
+  use_tree_attention: bool = True   # False: plain paged attention over each slot's full table
+  max_group_size: int = 0           # branches per attention group; 0: min(num_slots, 8)
+  max_groups: int = 0               # group rows of the tree kernel; 0: 2 * num_slots / group size
+  page_buckets: tuple = ()          # page-table width buckets; (): powers of two
+  attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
+  leaf_features: bool = True        # one extra step per leaf to record its prefix feature
+  truncation_reward: float = 0.0    # reward of trajectories cut by a limit or the pool
+  seed: int = 0
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return -(-self.max_seq_len // self.page_size)
+
+  @property
+  def group_size(self) -> int:
+    return self.max_group_size or min(self.num_slots, 8)
+
+  @property
+  def num_groups(self) -> int:
+    return self.max_groups or max(1, -(-2 * self.num_slots // self.group_size))
+
+
+@dataclasses.dataclass
+class PromptRequest:
+  """A new prompt sampled `n` times from its root."""
+  prompt_ids: Sequence[int]
+  n: int
+  meta: dict | None = None
+  prompt_text: str = ""
+
+
+@dataclasses.dataclass
+class ForkRequest:
+  """`k` new continuations of an existing tree from anchor node `node` (id or Node)."""
+  tree: Tree
+  node: int | Node
+  k: int
+
+
+class TurnRef(NamedTuple):
+  """The rollout id handed to the environment: the tree (its `meta` has the question) and the new
+  turn node (depth, parent, generated ids and text)."""
+  tree: Tree
+  node: Node
+
+
+# env_step([(TurnRef, generated_text)]) -> [(observation_text | None, done, reward)]
+EnvStep = Callable[[list], list]
+
+
+@dataclasses.dataclass
+class Ledger:
+  rollouts_started: int = 0
+  generated_tokens: int = 0
+  prefill_tokens: int = 0
+  tool_calls: int = 0
+  decode_steps: int = 0
+  busy_slot_steps: int = 0
+  total_slot_steps: int = 0
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class _Branch:
+  """Host state of one active rollout: its page table, lengths, rng and current turn."""
+
+  def __init__(self, tree: Tree, parent_node: int, pages: list[int], kv_len: int, pending: int,
+               key: np.ndarray, group_key, shared_pages: int):
+    self.tree, self.parent_node, self.pages = tree, parent_node, pages
+    self.kv_len, self.pending, self.key = kv_len, pending, key
+    self.group_key, self.shared_pages = group_key, shared_pages
+    self.counter = 0
+    self.turn_ids: list[int] = []
+    self.turn_lps: list[float] = []
+    self.turn_ents: list[float] = []
+    self.feature_for: int | None = None  # node whose feature the next step's hidden state is
+    self.final = False                   # the next step only records the leaf feature
+    self.waiting = False                 # synchronous turns: turn ended, waiting for the barrier
+    self.end_reason = ""
+    self.node: Node | None = None
+
+
+class SamplerEngine:
+  """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages."""
+
+  def __init__(self, model_graphdef, params_state, cfg: SamplerConfig, encode, decode,
+               env_step: EnvStep, eos_id: int | None, stop_strings=DEFAULT_STOP_STRINGS,
+               kv_dtype=None):
+    self.cfg, self.graphdef, self.state = cfg, model_graphdef, params_state
+    self.encode, self.decode, self.env_step = encode, decode, env_step
+    self.eos_id, self.stop_strings = eos_id, tuple(stop_strings)
+    mcfg = nnx.merge(model_graphdef, params_state).cfg
+    self.model_cfg = mcfg
+    self.alloc = PageAllocator(cfg.num_pages)
+    self.pool = init_pool(mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads,
+                          mcfg.head_dim, kv_dtype or mcfg.dtype)
+    self.buckets = slot_tables.page_buckets(cfg.max_pages_per_seq, cfg.page_buckets)
+    self.chunks = tuple(sorted(cfg.prefill_chunk))
+    self._decode = engine_ops.make_decode_step(model_graphdef, cfg.attention_impl)
+    self._prefill = engine_ops.make_prefill_step(model_graphdef)
+    self.slots: list[_Branch | None] = [None] * cfg.num_slots
+    self.ledger = Ledger()
+    self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
+    self.live_trees: dict[int, Tree] = {}
+    self._next_uid = 0
+    self._jobs: list = []
+    self._pending: dict[int, collections.deque] = {}
+    self.slot_worker = np.zeros(cfg.num_slots, np.int32)
+
+  # ---- public API --------------------------------------------------------------------------------
+  def update_params(self, params_state) -> None:
+    self.state = params_state
+
+  def compile_counts(self) -> dict:
+    return {"decode": self._decode._cache_size(), "prefill": self._prefill._cache_size(),
+            "copy": copy_pages._cache_size()}
+
+  def release(self, trees: Sequence[Tree] | None = None) -> None:
+    """Drops every page reference held by `trees` (all live trees if None)."""
+    for tree in list(self.live_trees.values()) if trees is None else trees:
+      for pages in tree._page_refs:
+        self.alloc.decref(pages)
+      tree._page_refs, tree._kv = [], {}
+      self.live_trees.pop(tree.uid, None)
+
+  def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False) -> list[Tree]:
+    """Samples every request to completion and returns the trees, in request order.
+
+    requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
+    slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
+    are refilled only from its own trees (task affinity). sync_turns: every slot waits for the
+    slowest turn before the next one, and new branches start only when all slots are empty.
+    """
+    s = self.cfg.num_slots
+    if not 1 <= num_workers <= s:
+      raise ValueError(f"num_workers must be in [1, {s}], got {num_workers}")
+    self.slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
+    self._pending = {w: collections.deque() for w in range(num_workers)}
+    trees = self._admit(requests, num_workers)
+    try:
+      self._loop(sync_turns, num_workers)
+    finally:
+      for i, b in enumerate(self.slots):
+        if b is not None:  # only on error: hand the branch's pages to its tree for release
+          b.tree._page_refs.append(b.pages)
+          self.slots[i] = None
+      self._jobs = []
+    return trees
+
+  # ---- admission ---------------------------------------------------------------------------------
+  def _admit(self, requests, num_workers) -> list[Tree]:
+    trees, load = [], np.zeros(num_workers)
+    for req in requests:
+      if isinstance(req, tuple):
+        req = ForkRequest(*req)
+      if isinstance(req, PromptRequest):
+        ids = [int(t) for t in req.prompt_ids]
+        if not 1 <= len(ids) < self.cfg.max_seq_len:
+          raise ValueError(f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
+        tree = Tree(ids, uid=self._next_uid, meta=req.meta, prompt_text=req.prompt_text)
+        self._next_uid += 1
+        tree._nbranches = 0
+        self.live_trees[tree.uid] = tree
+        node_id, count = 0, req.n
+      else:
+        tree, node_id, count = req.tree, req.node, req.k
+        node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
+        if not 0 <= node_id < len(tree.nodes):
+          raise IndexError(f"node {node_id} not in tree {tree.uid}")
+        if tree.nodes[node_id].done:
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
+                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an anchor")
+        if tree.uid not in self.live_trees or (node_id not in tree._kv and node_id != 0):
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
+                           f"released (fork before calling engine.release)")
+      if tree.worker < 0 or tree.worker >= num_workers:
+        tree.worker = int(np.argmin(load))
+      load[tree.worker] += count
+      self._pending[tree.worker].extend([(tree, node_id)] * count)
+      if all(t is not tree for t in trees):
+        trees.append(tree)
+    return trees
+
+  # ---- main loop ---------------------------------------------------------------------------------
+  def _loop(self, sync_turns, num_workers):
+    while True:
+      if not sync_turns or all(b is None for b in self.slots):
+        self._refill()
+      self._flush_prefill()
+      decoding = [i for i, b in enumerate(self.slots) if b is not None and not b.waiting]
+      if not decoding:
+        waiting = [i for i, b in enumerate(self.slots) if b is not None]
+        if waiting:  # synchronous barrier reached: every slot's turn has ended
+          self._end_turns(waiting)
+          continue
+        if any(self._pending.values()):
+          raise RuntimeError("pending branches but no slot could start one")  # not reachable
+        return
+      decoding = self._ensure_pages(decoding)
+      if decoding:
+        self._step(decoding, num_workers, sync_turns)
+
+  def _refill(self):
+    starts = []
+    for i, b in enumerate(self.slots):
+      q = self._pending[int(self.slot_worker[i])]
+      if b is None and q:
+        starts.append((i, *q.popleft()))
+    if not starts:
+      return
+    cfg = self.cfg
+    for _, tree, node_id in starts:  # the prompt's K/V must exist before it is forked
+      if node_id == 0 and 0 not in tree._kv:
+        n = len(tree.prompt_ids) - 1
+        pages = self.alloc.alloc(-(-n // cfg.page_size))
+        tree._page_refs.append(pages)
+        tree._kv[0] = (pages, n)
+        self._jobs.append([None, pages, 0, list(tree.prompt_ids[:-1])])
+    self._flush_prefill()
+    src, dst = [], []
+    for slot, tree, node_id in starts:
+      pages, kv_len = tree._kv[node_id]
+      full = kv_len // cfg.page_size
+      shared = list(pages[:full])
+      own = []
+      if kv_len % cfg.page_size:
+        own = self.alloc.alloc(1)  # may raise PoolExhaustedError (run() cleans up)
+        src.append(pages[full])
+        dst.append(own[0])
+      self.alloc.incref(shared)
+      node = tree.nodes[node_id]
+      seq = np.random.SeedSequence([cfg.seed, tree.uid, tree.__dict__.setdefault("_nbranches", 0)])
+      tree._nbranches += 1
+      b = _Branch(tree, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
+                  seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
+      b.feature_for = node_id if node.feature is None else None
+      self.slots[slot] = b
+      self.ledger.rollouts_started += 1
+    if src:
+      pad = self.cfg.num_slots - len(src)
+      self.pool = copy_pages(self.pool, np.asarray(src + [NULL_PAGE] * pad, np.int32),
+                             np.asarray(dst + [NULL_PAGE] * pad, np.int32))
+
+  def _flush_prefill(self):
+    """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets."""
+    cfg, jobs = self.cfg, [j for j in self._jobs if j[3]]
+    self._jobs = []
+    while jobs:
+      rows = jobs[:cfg.prefill_batch]
+      take = [min(len(j[3]), self.chunks[-1]) for j in rows]
+      c = slot_tables.pick_bucket(max(take), self.chunks)
+      width = slot_tables.pick_bucket(
+          max(-(-(j[2] + t) // cfg.page_size) for j, t in zip(rows, take)), self.buckets)
+      n = cfg.prefill_batch
+      batch = {"tokens": np.zeros((n, c), np.int32), "table": np.zeros((n, width), np.int32),
+               "start": np.zeros(n, np.int32), "num_new": np.zeros(n, np.int32)}
+      for r, (j, t) in enumerate(zip(rows, take)):
+        batch["tokens"][r, :t] = j[3][:t]
+        batch["table"][r, :min(len(j[1]), width)] = j[1][:width]
+        batch["start"][r], batch["num_new"][r] = j[2], t
+        j[2] += t
+        j[3] = j[3][t:]
+        self.ledger.prefill_tokens += t
+      self.pool = self._prefill(self.state, self.pool, batch)
+      jobs = [j for j in jobs if j[3]]
+
+  def _ensure_pages(self, decoding):
+    """Gives each decoding slot a page for its next write; a slot the pool cannot serve is cut."""
+    ok, cut = [], []
+    for i in decoding:
+      b = self.slots[i]
+      if b.kv_len // self.cfg.page_size >= len(b.pages):
+        try:
+          b.pages.extend(self.alloc.alloc(1))
+        except PoolExhaustedError:
+          if b.final:  # the leaf is complete; only its feature is lost
+            self._retire(i)
+            continue
+          b.end_reason = "pool_exhausted"
+          cut.append(i)
+          continue
+      ok.append(i)
+    if cut:
+      self._end_turns(cut)
+    return ok
+
+  def _step(self, decoding, num_workers, sync_turns):
+    cfg, s = self.cfg, self.cfg.num_slots
+    views: list = [None] * s
+    batch = {k: np.zeros(s, np.int32) for k in ("tokens", "positions", "write_page", "write_off",
+                                                 "counters", "top_k")}
+    batch["keys"] = np.zeros((s, 2), np.uint32)
+    batch["temperature"] = np.full(s, cfg.temperature, np.float32)
+    batch["top_p"] = np.full(s, cfg.top_p, np.float32)
+    batch["top_k"][:] = cfg.top_k
+    batch["greedy"] = np.full(s, cfg.greedy, bool)
+    for i in decoding:
+      b = self.slots[i]
+      batch["tokens"][i], batch["positions"][i] = b.pending, b.kv_len
+      batch["write_page"][i] = b.pages[b.kv_len // cfg.page_size]
+      batch["write_off"][i] = b.kv_len % cfg.page_size
+      batch["keys"][i], batch["counters"][i] = b.key, b.counter
+      views[i] = slot_tables.SlotView(b.pages, b.kv_len + 1, b.group_key, b.shared_pages)
+    if cfg.use_tree_attention:
+      batch.update(slot_tables.tree_tables(views, cfg.page_size, cfg.num_groups, cfg.group_size,
+                                           self.buckets))
+    else:
+      batch.update(slot_tables.plain_tables(views, self.buckets))
+    self.pool, out = self._decode(self.state, self.pool, batch)
+    out = jax.device_get(out)
+    busy = np.zeros(num_workers, np.int32)
+    np.add.at(busy, self.slot_worker[decoding], 1)
+    self.step_log.append(busy)
+    self.ledger.decode_steps += 1
+    self.ledger.busy_slot_steps += len(decoding)
+    self.ledger.total_slot_steps += s
+    ended = []
+    for i in decoding:
+      b = self.slots[i]
+      if b.feature_for is not None:
+        b.tree.nodes[b.feature_for].feature = np.asarray(out["hidden"][i], np.float32)
+        b.feature_for = None
+      b.kv_len += 1
+      if b.final:
+        self._retire(i)
+        continue
+      tok = int(out["tokens"][i])
+      b.turn_ids.append(tok)
+      b.turn_lps.append(float(out["logprobs"][i]))
+      b.turn_ents.append(float(out["entropy"][i]))
+      b.counter += 1
+      b.pending = tok
+      self.ledger.generated_tokens += 1
+      if self.eos_id is not None and tok == self.eos_id:
+        b.end_reason = "stop"
+      elif self.stop_strings and any(x in self.decode(b.turn_ids[-16:]) for x in self.stop_strings):
+        b.end_reason = "stop"
+      elif len(b.turn_ids) >= cfg.max_turn_tokens:
+        b.end_reason = "turn_limit"
+      elif b.kv_len + 1 >= cfg.max_seq_len:
+        b.end_reason = "max_seq_len"
+      if b.end_reason:
+        ended.append(i)
+    if sync_turns:
+      for i in ended:
+        self.slots[i].waiting = True
+    elif ended:
+      self._end_turns(ended)
+
+  # ---- turn ends ---------------------------------------------------------------------------------
+  def _end_turns(self, idx):
+    """Records the turn nodes of slots `idx`, runs the environment, queues observation prefills."""
+    cfg, calls = self.cfg, []
+    for i in idx:
+      b = self.slots[i]
+      b.waiting = False
+      ids = b.turn_ids[:-1] if b.turn_ids and b.turn_ids[-1] == self.eos_id else b.turn_ids
+      b.node = b.tree.add_node(b.parent_node, gen_ids=b.turn_ids, logprobs=b.turn_lps,
+                               entropies=b.turn_ents, text=self.decode(ids) if ids else "")
+      if b.end_reason in ("stop", "turn_limit"):
+        calls.append(i)
+      else:
+        b.node.done, b.node.truncated, b.node.reward = True, b.end_reason, cfg.truncation_reward
+    results = self.env_step([(TurnRef(self.slots[i].tree, self.slots[i].node),
+                              self.slots[i].node.text) for i in calls]) if calls else []
+    self.ledger.tool_calls += len(calls)
+    for i, (obs, done, reward) in zip(calls, results):
+      b = self.slots[i]
+      node = b.node
+      if done:
+        node.done, node.reward = True, float(reward or 0.0)
+      elif node.depth >= cfg.max_turns:
+        node.done, node.truncated, node.reward = True, "max_turns", cfg.truncation_reward
+      else:
+        self._add_observation(b, obs or "")
+    for i in idx:
+      b = self.slots[i]
+      b.turn_ids, b.turn_lps, b.turn_ents, b.end_reason = [], [], [], ""
+      if b.node.done:
+        self._finish(i)
+      else:
+        b.parent_node, b.feature_for = b.node.id, b.node.id
+
+  def _add_observation(self, b: _Branch, obs_text: str):
+    cfg, node = self.cfg, b.node
+    room = cfg.max_seq_len - (b.kv_len + 1) - 1  # keep room to generate at least one token
+    obs = [int(t) for t in self.encode(obs_text)][:max(0, min(cfg.max_obs_tokens, room))]
+    node.obs_ids, node.obs_text = obs, obs_text
+    if room <= 0:
+      node.done, node.truncated, node.reward = True, "max_seq_len", cfg.truncation_reward
+      return
+    if obs:
+      tokens = [b.pending] + obs[:-1]
+      need = -(-(b.kv_len + len(tokens)) // cfg.page_size) - len(b.pages)
+      try:
+        b.pages.extend(self.alloc.alloc(max(0, need)))
+      except PoolExhaustedError:
+        node.done, node.truncated, node.reward = True, "pool_exhausted", cfg.truncation_reward
+        return
+      self._jobs.append([b, b.pages, b.kv_len, tokens])
+      b.kv_len += len(tokens)
+      b.pending = obs[-1]
+    b.tree._kv[node.id] = (b.pages, b.kv_len)
+
+  def _finish(self, i):
+    b = self.slots[i]
+    if self.cfg.leaf_features and b.node.feature is None:
+      b.final, b.feature_for = True, b.node.id  # one more step feeds the last token
+    else:
+      self._retire(i)
+
+  def _retire(self, i):
+    b = self.slots[i]
+    b.tree._page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
+    self.slots[i] = None
+
+
+__all__ = ["DEFAULT_STOP_STRINGS", "EnvStep", "ForkRequest", "Ledger", "PromptRequest",
+           "SamplerConfig", "SamplerEngine", "TurnRef"]
