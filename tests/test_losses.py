@@ -120,6 +120,13 @@ def test_token_logprobs_and_entropy():
   np.testing.assert_allclose(ent, -np.sum(np.exp(ref_all) * ref_all, -1), rtol=1e-5)
   _, ent = losses.token_logprobs_and_entropy(jnp.zeros((1, 1, 8)), jnp.zeros((1, 1), jnp.int32))
   np.testing.assert_allclose(ent, np.log(8.0), rtol=1e-6)
+  # A masked vocabulary (-inf logits) keeps entropy and its gradient finite.
+  masked = jnp.array([[[0.0, 0.0, -jnp.inf, -jnp.inf]]])
+  tgt = jnp.zeros((1, 1), jnp.int32)
+  logp, ent = losses.token_logprobs_and_entropy(masked, tgt)
+  np.testing.assert_allclose([logp[0, 0], ent[0, 0]], [-np.log(2.0), np.log(2.0)], rtol=1e-6)
+  g = jax.grad(lambda x: jnp.sum(sum(losses.token_logprobs_and_entropy(x, tgt))))(masked)
+  assert np.all(np.isfinite(np.asarray(g)))
 
 
 def test_predictor_bce():

@@ -106,7 +106,9 @@ def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
   logits = jnp.asarray(logits, jnp.float32) / temperature
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   logp = jnp.take_along_axis(logp_all, jnp.asarray(targets, jnp.int32)[..., None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  probs = jnp.exp(logp_all)
+  # Masked vocabulary entries (logit -inf) would give 0 * -inf = nan.
+  entropy = -jnp.sum(probs * jnp.where(probs > 0, logp_all, 0.0), axis=-1)
   return logp, entropy
 
 
