@@ -1,0 +1,193 @@
+"""Multi-hop QA with TRACE. `--config=configs/mhqa.py[:variant]`.
+
+Variants:
+  tiny (default)  the embedded synthetic multi-hop world, tiny Qwen3, runs on a laptop CPU
+  smoke           the same loop at toy size (a few steps), used by CI
+  qwen3_8b        paper-style run with a local Qwen3-8B checkpoint and local data
+  qwen3_14b       paper scale (Qwen3-14B); model, data and retriever paths are required
+Overrides: `--config.rl.steps=50 --config.method=grpo`.
+"""
+
+import ml_collections
+
+METHODS = ("trace", "trace_tree", "root_only", "grpo", "dapo", "tree_grpo", "arpo")
+
+
+def _base():
+  c = ml_collections.ConfigDict()
+  c.variant = "tiny"
+  c.method = "trace_tree"   # one of METHODS: trace (paper objective), trace_tree (tree-aware), ...
+  c.seed = 0
+  c.workdir = ""            # default: runs/<variant>-<method>-<time>
+  c.mesh = "data:-1,fsdp:1,tensor:1"  # mesh axes; -1 takes the remaining devices
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny"   # Qwen3 preset when no checkpoint path is given
+  c.model.path = ""         # local HF checkpoint directory (config.json + safetensors)
+  c.model.tokenizer_path = ""  # local tokenizer directory (default: model.path)
+  c.model.dtype = "float32"  # compute dtype
+  c.model.param_dtype = "float32"
+  c.model.hidden_size = 128  # tiny-model overrides (ignored with a checkpoint)
+  c.model.num_layers = 3
+  c.model.intermediate_size = 384
+  c.model.predictor_hidden = 128  # width of the success predictor's MLP
+
+  c.world = ml_collections.ConfigDict()   # the synthetic world (ignored with real data)
+  c.world.seed = 0
+  c.world.cache_dir = "cache"   # world, tokenizer and warm-start checkpoint are cached here
+
+  c.data = ml_collections.ConfigDict()    # real data (qwen3 variants)
+  c.data.train_path = ""    # local file in any supported format (trace_jax.data.load_qa)
+  c.data.test_path = ""
+  c.data.format = ""        # '' = detect
+  c.data.eval_size = 256    # held-out prompts evaluated (greedy)
+
+  c.retriever = ml_collections.ConfigDict()
+  c.retriever.kind = "world"  # world (BM25 over the synthetic passages) | bm25 | http
+  c.retriever.index_path = ""  # bm25: a saved index directory or a Search-R1 jsonl corpus
+  c.retriever.url = ""      # http: a Search-R1 compatible /retrieve server
+  c.retriever.topk = 2      # passages per search
+
+  c.env = ml_collections.ConfigDict()
+  c.env.reward = "em"       # em | f1 | em_format
+  c.env.max_turns = 5
+  c.env.max_turn_tokens = 24   # generated tokens per turn
+  c.env.max_obs_tokens = 64    # observation tokens (truncated)
+  c.env.max_seq_len = 384      # whole trajectory
+
+  c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
+  c.sft.num_traces = 30000
+  c.sft.steps = 1200
+  c.sft.batch_rows = 16      # packed rows per step
+  c.sft.row_len = 512        # tokens per packed row
+  c.sft.lr = 3e-3
+  c.sft.warmup = 50
+  c.sft.min_lr_ratio = 0.05
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompts_per_step = 16
+  c.rollout.root_budget = 96      # M_root: stage-1 rollouts over the step's prompts
+  c.rollout.min_per_prompt = 2
+  c.rollout.max_per_prompt = 12
+  c.rollout.prefix_budget = 32    # stage-2 continuations (in rollouts)
+  c.rollout.max_per_anchor = 4
+  c.rollout.budget_unit = "rollouts"  # rollouts | tokens (prefix allocation per expected cost)
+  c.rollout.tree_lambda = 0.1     # weight of extra contrast in already-mixed trees (trace_tree)
+  c.rollout.blend_prior = 0.0     # Beta-posterior blending strength of p̂ with outcomes (0 = off)
+  c.rollout.dapo_oversample = 1.5  # dapo: prompts sampled per kept prompt
+  c.rollout.arpo_entropy_top = 0.25  # arpo: share of candidate anchors with highest entropy
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.num_slots = 64
+  c.rollout.page_size = 16
+  c.rollout.num_pages = 4096
+  c.rollout.prefill_chunk = 64
+  c.rollout.tree_attention = True
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 30
+  c.rl.lr = 2e-4
+  c.rl.predictor_lr = 3e-3
+  c.rl.advantage = "tree_contrastive"  # tree_contrastive | grpo | tree_grpo | treerl
+  c.rl.normalize_std = True
+  c.rl.eps_low = 0.2
+  c.rl.eps_high = 0.28
+  c.rl.kl_coef = 0.0
+  c.rl.entropy_coef = 0.0
+  c.rl.max_grad_norm = 1.0
+  c.rl.micro_batches = 4
+  c.rl.batch_pad = 32          # training sequences are padded to a multiple of this count
+  c.rl.predictor_warmup_steps = 2  # steps before p̂ drives allocation (uniform before)
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 5
+  c.eval.size = 400
+
+  c.ckpt = ml_collections.ConfigDict()
+  c.ckpt.every = 10
+  c.ckpt.max_to_keep = 2
+  return c
+
+
+def get_config(arg: str | None = None):
+  variant = arg or "tiny"
+  c = _base()
+  c.variant = variant
+  if variant == "tiny":
+    pass
+  elif variant == "smoke":
+    c.world.cache_dir = "cache/smoke"
+    c.sft.num_traces = 600
+    c.sft.steps = 8
+    c.sft.batch_rows = 4
+    c.sft.row_len = 256
+    c.rollout.prompts_per_step = 4
+    c.rollout.root_budget = 12
+    c.rollout.prefix_budget = 6
+    c.rollout.num_slots = 8
+    c.rollout.num_pages = 512
+    c.rl.steps = 2
+    c.rl.micro_batches = 1
+    c.rl.batch_pad = 8
+    c.rl.predictor_warmup_steps = 0
+    c.eval.every = 2
+    c.eval.size = 8
+    c.ckpt.every = 1
+  elif variant in ("qwen3_8b", "qwen3_14b"):
+    c.model.preset = variant
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.retriever.kind = "http"
+    c.retriever.topk = 3
+    c.env.max_turns = 4
+    c.env.max_turn_tokens = 512
+    c.env.max_obs_tokens = 512
+    c.env.max_seq_len = 4096
+    c.rollout.prompts_per_step = 64
+    c.rollout.root_budget = 512
+    c.rollout.min_per_prompt = 4
+    c.rollout.max_per_prompt = 16
+    c.rollout.prefix_budget = 256
+    c.rollout.num_slots = 256
+    c.rollout.page_size = 64
+    c.rollout.num_pages = 8192
+    c.rollout.prefill_chunk = 512
+    c.rl.lr = 1e-6
+    c.rl.steps = 200
+    c.rl.micro_batches = 32
+    c.rl.kl_coef = 0.001
+    c.eval.every = 20
+    c.mesh = "data:-1,fsdp:1,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:1,tensor:4"
+  else:
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b or qwen3_14b")
+  return c
+
+
+REQUIRED_REAL = ("model.path", "data.train_path", "data.test_path")
+
+
+def validate(c) -> None:
+  """Clear errors for settings that cannot work, before anything is built or compiled."""
+  if c.method not in METHODS:
+    raise ValueError(f"config.method={c.method!r}; choose one of {METHODS}")
+  if c.variant.startswith("qwen3"):
+    missing = [k for k in REQUIRED_REAL if not _get(c, k)]
+    if c.retriever.kind == "http" and not c.retriever.url:
+      missing.append("retriever.url")
+    if c.retriever.kind == "bm25" and not c.retriever.index_path:
+      missing.append("retriever.index_path")
+    if missing:
+      raise ValueError(
+          f"variant {c.variant} needs local paths: set " +
+          ", ".join(f"--config.{k}=..." for k in missing))
+  r = c.rollout
+  if r.root_budget < r.min_per_prompt * r.prompts_per_step:
+    raise ValueError(f"rollout.root_budget={r.root_budget} is smaller than min_per_prompt x "
+                     f"prompts_per_step = {r.min_per_prompt * r.prompts_per_step}")
+
+
+def _get(c, dotted):
+  for k in dotted.split("."):
+    c = c[k]
+  return c
