@@ -128,6 +128,7 @@ def test_prefixes_rollout_budget_exact(anchors, budget):
   assert k.sum() == min(budget, _CAP * v.sum()) and np.all(k[~v] == 0) and k.max() <= _CAP
   best = _brute(lambda kk: _sum_value(p, r, kk, v), np.ones(4), budget, v)
   np.testing.assert_allclose(_sum_value(p, r, k, v), best, atol=1e-5)
+  np.testing.assert_allclose(alloc.prefix_objective(p, r, k, v), _sum_value(p, r, k, v), atol=1e-5)
 
 
 @_SETTINGS

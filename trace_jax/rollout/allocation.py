@@ -127,10 +127,13 @@ def tree_aware_objective(p_hat, outcomes, counts, tree, tree_mixed, valid, lam=0
   """
   q = repeat_prob(p_hat, outcomes)
   k = jnp.asarray(counts, jnp.float32)
+  tree = jnp.asarray(tree, jnp.int32)
+  tree_mixed = jnp.asarray(tree_mixed, bool)
+  valid = jnp.asarray(valid, bool)
   num_trees = tree_mixed.shape[0]
   log_prod = _tree_log_prod(q, k, tree, valid, num_trees)
   unmixed = jnp.sum(jnp.where(tree_mixed, 0.0, 1.0 - jnp.exp(log_prod)))
-  per_anchor = jnp.where(valid & tree_mixed[tree], 1.0 - q**k, 0.0)
+  per_anchor = jnp.where(valid & tree_mixed[jnp.clip(tree, 0, num_trees - 1)], 1.0 - q**k, 0.0)
   return unmixed + lam * jnp.sum(per_anchor)
 
 
