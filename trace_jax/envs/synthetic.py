@@ -134,11 +134,14 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--n_entities", type=int, default=SyntheticWorldConfig.n_entities)
+  parser.add_argument("--n_train", type=int, default=SyntheticWorldConfig.n_train)
+  parser.add_argument("--n_test", type=int, default=SyntheticWorldConfig.n_test)
   parser.add_argument("--stats", action="store_true", help="print world statistics as JSON")
   parser.add_argument("--save", default=None, help="directory to save the world to")
   args = parser.parse_args(argv)
   t0 = time.time()
-  world = generate_world(SyntheticWorldConfig(seed=args.seed, n_entities=args.n_entities))
+  world = generate_world(SyntheticWorldConfig(
+      seed=args.seed, n_entities=args.n_entities, n_train=args.n_train, n_test=args.n_test))
   gen_s = time.time() - t0
   if args.save:
     world.save(args.save)

@@ -175,6 +175,8 @@ def make_sft_dataset(
   Failed traces are kept on purpose: the expert does not know it failed, and dropping them would
   remove the systematic mistake the RL stage is meant to discover.
   """
+  if split not in ("train", "test"):
+    raise ValueError(f"world has no {split!r} examples; split is 'train' or 'test'")
   examples = getattr(world, split)
   if not examples:
     raise ValueError(f"world has no {split!r} examples")

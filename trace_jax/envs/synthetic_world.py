@@ -401,9 +401,11 @@ def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view) -> 
   weights = np.asarray(cfg.hop_weights, dtype=np.float64)
   weights = weights / weights.sum()
   out, seen = [], set()
-  attempts = 0
-  while len(out) < n and attempts < 20 * n:
+  attempts = since_new = 0
+  # A small world runs out of distinct questions; stop once new ones have become rare.
+  while len(out) < n and attempts < 20 * n and since_new < 500:
     attempts += 1
+    since_new += 1
     n_hops = int(rng.choice(len(weights), p=weights)) + 1
     # Long chains exist from few start types; retry starts so the hop mix follows the weights.
     for _ in range(100):
@@ -418,6 +420,7 @@ def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view) -> 
     if q in seen:
       continue
     seen.add(q)
+    since_new = 0
     needed = [world_view(r, s) for r, s in zip(relations, chain[:-1])]
     out.append(QAExample(
         id=f"{split}-{len(out)}", question=q, answers=[chain[-1]], hops=n_hops,
