@@ -91,7 +91,8 @@ def test_parse_arbitrary_bytes(data):
 # --- observations ------------------------------------------------------------------------------
 
 def test_format_observation_search_r1_layout():
-  docs = [Doc("1", "Zantro", "Zantro is based in Orsk ."), Doc("2", "Kelmor", "Kelmor founded Zantro .")]
+  docs = [Doc("1", "Zantro", "Zantro is based in Orsk ."),
+          Doc("2", "Kelmor", "Kelmor founded Zantro .")]
   assert react.format_observation(docs) == (
       "<information>Doc 1(Title: Zantro) Zantro is based in Orsk .\n"
       "Doc 2(Title: Kelmor) Kelmor founded Zantro .</information>")
@@ -198,3 +199,29 @@ def test_segments_to_tokens_mask():
   np.testing.assert_array_equal(ids, [8, 1, 2, 7, 1, 8, 7, 8, 9])
   np.testing.assert_array_equal(mask, [0, 0, 0, 1, 1, 1, 0, 0, 1])
   assert ids.dtype == np.int32 and mask.dtype == bool
+
+
+# --- prompts -----------------------------------------------------------------------------------
+
+def test_prompts():
+  from trace_jax.envs import prompts
+
+  plain = prompts.build_search_r1_prompt("who founded Zantro")
+  assert plain.endswith("Question: who founded Zantro?\n") and "<search> query </search>" in plain
+
+  class ChatTokenizer:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+      assert not tokenize and add_generation_prompt
+      return "<|user|>" + messages[0]["content"] + "<|assistant|>"
+
+  chat = prompts.build_search_r1_prompt("who founded Zantro?", ChatTokenizer())
+  assert chat.startswith("<|user|>Answer the given question.") and chat.endswith("<|assistant|>")
+
+  class NoTemplate:
+    chat_template = None
+
+  assert prompts.build_search_r1_prompt("q?", NoTemplate()) == prompts.search_r1_prompt("q?")
+  assert prompts.synthetic_prompt(" what is the city of Zantro ? ") == (
+      "question : what is the city of Zantro ?\n")

@@ -229,3 +229,11 @@ def test_stats_cli(capsys):
   assert (stats["train_questions"], stats["test_questions"]) == (200, 50)
   assert set(stats["expert_test"]["success_by_hops"]) <= {"1", "2", "3", "4"}
   assert stats["generation_seconds"] < 20
+
+
+def test_holdout_test_facts():
+  world = syn.generate_world(dataclasses.replace(SMALL, holdout_test_facts=True))
+  test_facts = {f for ex in world.test for f in zip(ex.meta["relations"], ex.meta["chain"])}
+  train_facts = {f for ex in world.train for f in zip(ex.meta["relations"], ex.meta["chain"])}
+  assert world.test and world.train and not test_facts & train_facts
+  assert syn.world_stats(world, traces_per_example=1)["test_facts_seen_in_train_chains"] == 0.0

@@ -9,3 +9,10 @@ from trace_jax.envs.scoring import (
     em_format_reward, em_reward, exact_match, f1, f1_reward, get_reward_fn, normalize_answer,
 )
 from trace_jax.envs.types import Doc, Retriever
+
+__all__ = [
+    "STOP_STRINGS", "Action", "BM25Retriever", "Doc", "EnvState", "MultiHopEnv", "Retriever",
+    "StepResult", "em_format_reward", "em_reward", "exact_match", "f1", "f1_reward",
+    "format_observation", "get_reward_fn", "load_corpus_jsonl", "normalize_answer",
+    "parse_action", "segments_to_tokens", "truncate_observation",
+]

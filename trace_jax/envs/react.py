@@ -143,7 +143,8 @@ def truncate_observation(
   """
   token_ids, closing_ids = list(token_ids), list(closing_ids)
   if max_tokens < len(closing_ids):
-    raise ValueError(f"max_tokens={max_tokens} cannot hold the closing tag ({len(closing_ids)} ids)")
+    raise ValueError(
+        f"max_tokens={max_tokens} cannot hold the closing tag ({len(closing_ids)} ids)")
   if len(token_ids) <= max_tokens:
     return token_ids
   body = token_ids

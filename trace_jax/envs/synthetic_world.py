@@ -104,7 +104,9 @@ class SyntheticWorldConfig:
 
   seed: int = 0
   n_entities: int = 2000
-  type_fractions: tuple = (0.05, 0.25, 0.40, 0.15, 0.15)  # Order of ENTITY_TYPES.
+  # Order of ENTITY_TYPES. Enough persons without a company to carry the misleading founder
+  # sentences one each, which keeps passages (and observations) short.
+  type_fractions: tuple = (0.05, 0.25, 0.45, 0.12, 0.13)
   near_duplicate_rate: float = 0.2  # Share of entities that are a one-letter twin of another.
   works_for_rate: float = 0.5  # Persons with an employer; the others studied at a university.
   distractors_per_passage: int = 1
@@ -112,6 +114,9 @@ class SyntheticWorldConfig:
   n_train: int = 4000  # Questions; start entities are disjoint between splits.
   n_test: int = 500
   test_start_fraction: float = 0.2  # Share of entities that start only test questions.
+  # If True, no fact used by a test chain is used by any train chain, so test accuracy cannot
+  # come from facts memorized during fine-tuning, only from retrieval.
+  holdout_test_facts: bool = False
   hop_weights: tuple = (0.25, 0.3, 0.25, 0.2)  # P(1 hop), ..., P(4 hops).
   topk: int = 2  # Passages per search (observations stay under ~64 tokens).
   # BM25 parameters of world.retriever(). A low b: passages are all short, and length
@@ -317,16 +322,15 @@ def _plant_traps(cfg, entities, facts, twins, rng) -> dict:
                 if k == subject and c != true_obj and load[c] == 0]
       wrong = []
       twin = twins.get(true_obj)
-      if twin is not None and twin not in excluded and twin in pool:
+      if twin is not None and twin not in excluded and twin in pool and load[twin] == 0:
         wrong.append(twin)
-      for _ in range(50):
-        if len(wrong) >= n_wrong or not pool:
+      while len(wrong) < n_wrong:
+        cands = [c for c in pool if c not in excluded and c not in wrong]
+        if not cands:
           break
-        cands = rng.choice(pool, size=min(8, len(pool)), replace=False)
-        best = min((c for c in cands if c not in excluded and c not in wrong),
-                   key=lambda c: load[c], default=None)
-        if best is not None:
-          wrong.append(str(best))
+        least = min(load[c] for c in cands)
+        cands = [c for c in cands if load[c] == least]
+        wrong.append(cands[int(rng.integers(len(cands)))])
       if not wrong:
         continue  # E.g. a country with a single city: no old capital to plant.
       for w in wrong:
@@ -397,7 +401,12 @@ def question_text(start: str, relations: Sequence[str]) -> str:
   return f"what is {np_} ?"
 
 
-def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view) -> list[QAExample]:
+def _chain_facts(ex: QAExample) -> set:
+  return set(zip(ex.meta["relations"], ex.meta["chain"][:-1]))
+
+
+def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view,
+                    exclude_facts=frozenset()) -> list[QAExample]:
   weights = np.asarray(cfg.hop_weights, dtype=np.float64)
   weights = weights / weights.sum()
   out, seen = [], set()
@@ -416,6 +425,8 @@ def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view) -> 
     if sampled is None:
       continue
     relations, chain = sampled
+    if exclude_facts and any(f in exclude_facts for f in zip(relations, chain[:-1])):
+      continue
     q = question_text(start, relations)
     if q in seen:
       continue
@@ -452,8 +463,13 @@ def generate_world(cfg: Optional[SyntheticWorldConfig] = None) -> World:
   n_test_starts = max(1, int(cfg.test_start_fraction * len(names)))
   test_starts = [names[i] for i in order[:n_test_starts]]
   train_starts = [names[i] for i in order[n_test_starts:]]
-  world.train = _make_questions(cfg, entities, facts, train_starts, cfg.n_train, "train", rng,
-                                world.needed_doc_id)
-  world.test = _make_questions(cfg, entities, facts, test_starts, cfg.n_test, "test", rng,
-                               world.needed_doc_id)
+  make = lambda starts, n, split, exclude=frozenset(): _make_questions(
+      cfg, entities, facts, starts, n, split, rng, world.needed_doc_id, exclude)
+  if cfg.holdout_test_facts:
+    world.test = make(test_starts, cfg.n_test, "test")
+    held_out = set().union(*(_chain_facts(ex) for ex in world.test))
+    world.train = make(train_starts, cfg.n_train, "train", held_out)
+  else:
+    world.train = make(train_starts, cfg.n_train, "train")
+    world.test = make(test_starts, cfg.n_test, "test")
   return world
