@@ -21,11 +21,11 @@ from trace_jax.envs.synthetic_traces import (
     SFTRecord, Trace, expert_trace, make_sft_dataset, read_fact, trace_segments,
 )
 from trace_jax.envs.synthetic_world import (
-    RELATIONS, QAExample, SyntheticWorldConfig, World, generate_world, question_text,
+    RELATIONS, SyntheticQuestion, SyntheticWorldConfig, World, generate_world, question_text,
 )
 
 __all__ = [
-    "RELATIONS", "QAExample", "SFTRecord", "SyntheticWorldConfig", "Trace", "World",
+    "RELATIONS", "SyntheticQuestion", "SFTRecord", "SyntheticWorldConfig", "Trace", "World",
     "build_hf_tokenizer", "build_tokenizer", "expert_trace", "generate_world",
     "make_sft_dataset", "question_text", "read_fact", "trace_segments", "world_stats",
 ]
@@ -35,7 +35,7 @@ def _rate(hits: list) -> Optional[float]:
   return round(float(np.mean(hits)), 3) if hits else None
 
 
-def retrieval_stats(world: World, examples: list[QAExample]) -> dict:
+def retrieval_stats(world: World, examples: list[SyntheticQuestion]) -> dict:
   """Hit@k of the needed passage for each hop of `examples`, by wording, trap vs other."""
   k = world.config.topk
   rows = []  # (is_trap, wording, hit, misleading_in_topk)
@@ -69,8 +69,8 @@ def retrieval_stats(world: World, examples: list[QAExample]) -> dict:
   return out
 
 
-def expert_stats(world: World, examples: list[QAExample], traces_per_example: int, seed: int,
-                 tokenizer=None) -> dict:
+def expert_stats(world: World, examples: list[SyntheticQuestion], traces_per_example: int,
+                 seed: int, tokenizer=None) -> dict:
   """Expert success by hop count, by trap wording, and trace lengths in tokens."""
   rng = np.random.default_rng(seed)
   by_hop = collections.defaultdict(list)

@@ -18,6 +18,7 @@ replayed in the environment.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Optional, Sequence
 
@@ -27,7 +28,7 @@ from trace_jax.envs import prompts
 from trace_jax.envs.react import format_observation
 from trace_jax.envs.scoring import exact_match
 from trace_jax.envs.synthetic_world import (
-    CITY_COUNTRY_ALTERNATIVES, RELATIONS, QAExample, World,
+    CITY_COUNTRY_ALTERNATIVES, RELATIONS, SyntheticQuestion, World,
 )
 from trace_jax.envs.types import Doc
 
@@ -50,7 +51,7 @@ class Trace:
 
 @dataclasses.dataclass
 class SFTRecord:
-  example: QAExample
+  example: SyntheticQuestion
   trace: Trace
 
   def segments(self) -> list[tuple[str, bool]]:
@@ -58,6 +59,7 @@ class SFTRecord:
     return trace_segments(self.example, self.trace)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # Compiling dominates trace generation otherwise.
 def _pattern(template: str, subject: str) -> re.Pattern:
   rx = re.escape(template).replace(r"\{s\}", re.escape(subject))
   rx = rx.replace(r"\{o\}", _NAME).replace(r"\{w\}", _NAME)
@@ -104,7 +106,7 @@ def _wrong_entity(world: World, name: str, rng: np.random.Generator) -> str:
   return same[int(rng.integers(len(same)))]
 
 
-def expert_trace(world: World, example: QAExample, rng: np.random.Generator) -> Trace:
+def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Generator) -> Trace:
   """One imperfect expert rollout for `example` (see the module docstring for its mistakes)."""
   cfg = world.config
   plan = list(example.meta["relations"])
@@ -157,7 +159,7 @@ def expert_trace(world: World, example: QAExample, rng: np.random.Generator) -> 
                meta={"searches": searches, "errors": errors, "misled": misled})
 
 
-def trace_segments(example: QAExample, trace: Trace) -> list[tuple[str, bool]]:
+def trace_segments(example: SyntheticQuestion, trace: Trace) -> list[tuple[str, bool]]:
   """[(text, is_generated)] for the synthetic prompt followed by the trace's turns."""
   segments = [(prompts.synthetic_prompt(example.question), False)]
   for generated, observation in trace.turns:

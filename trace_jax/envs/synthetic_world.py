@@ -133,8 +133,10 @@ class SyntheticWorldConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class QAExample:
-  """One question. meta: start, relations, chain (entities after each hop), needed_doc_ids."""
+class SyntheticQuestion:
+  """One question, shaped like `data.formats.QAExample` where it matters (id, question,
+  answers). meta: start, relations, chain (start then the entity after each hop),
+  needed_doc_ids (the passage stating each hop's fact), split."""
 
   id: str
   question: str
@@ -143,13 +145,16 @@ class QAExample:
   meta: dict
 
 
+QAExample = SyntheticQuestion  # The name the first version used.
+
+
 @dataclasses.dataclass
 class World:
   config: SyntheticWorldConfig
   entities: dict  # name -> type
   facts: dict  # relation -> {subject: object}
   corpus: list  # list[Doc], doc id == entity name
-  train: list  # list[QAExample]
+  train: list  # list[SyntheticQuestion]
   test: list
   twins: dict  # name -> near-duplicate name (both directions)
   traps: dict  # "relation|subject" -> wrong candidates planted for it
@@ -199,8 +204,8 @@ class World:
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
     return cls(
         config=SyntheticWorldConfig(**cfg), entities=p["entities"], facts=p["facts"],
-        corpus=[Doc(**d) for d in p["corpus"]], train=[QAExample(**e) for e in p["train"]],
-        test=[QAExample(**e) for e in p["test"]], twins=p["twins"], traps=p["traps"],
+        corpus=[Doc(**d) for d in p["corpus"]], train=[SyntheticQuestion(**e) for e in p["train"]],
+        test=[SyntheticQuestion(**e) for e in p["test"]], twins=p["twins"], traps=p["traps"],
     )
 
 
@@ -401,12 +406,12 @@ def question_text(start: str, relations: Sequence[str]) -> str:
   return f"what is {np_} ?"
 
 
-def _chain_facts(ex: QAExample) -> set:
+def _chain_facts(ex: SyntheticQuestion) -> set:
   return set(zip(ex.meta["relations"], ex.meta["chain"][:-1]))
 
 
 def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view,
-                    exclude_facts=frozenset()) -> list[QAExample]:
+                    exclude_facts=frozenset()) -> list[SyntheticQuestion]:
   weights = np.asarray(cfg.hop_weights, dtype=np.float64)
   weights = weights / weights.sum()
   out, seen = [], set()
@@ -433,7 +438,7 @@ def _make_questions(cfg, entities, facts, starts, n, split, rng, world_view,
     seen.add(q)
     since_new = 0
     needed = [world_view(r, s) for r, s in zip(relations, chain[:-1])]
-    out.append(QAExample(
+    out.append(SyntheticQuestion(
         id=f"{split}-{len(out)}", question=q, answers=[chain[-1]], hops=n_hops,
         meta={"start": start, "relations": relations, "chain": chain,
               "needed_doc_ids": needed, "split": split},
