@@ -7,6 +7,8 @@ K/V writes happen in place instead of copying the whole pool each token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,8 +50,9 @@ def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy):
   return tokens, lp, entropy
 
 
+@functools.lru_cache(maxsize=16)
 def make_decode_step(graphdef, attention_impl: str = "auto"):
-  """Builds the jitted decode step.
+  """Builds the jitted decode step (cached per model graph, so engines share compilations).
 
   step(state, pool, batch) -> (pool, out) with batch (numpy or device arrays):
     tokens, positions, write_page, write_off: i32[S] (the input token of each slot, whose K/V is
@@ -90,8 +93,9 @@ def make_decode_step(graphdef, attention_impl: str = "auto"):
   return jax.jit(step, donate_argnums=(1,))
 
 
+@functools.lru_cache(maxsize=16)
 def make_prefill_step(graphdef):
-  """Builds the jitted chunked prefill: writes a chunk of tokens per row into its pages.
+  """Builds the jitted chunked prefill (cached per model graph): writes row chunks into pages.
 
   step(state, pool, batch) -> pool with batch:
     tokens i32[B, C] (right padded), table i32[B, Pt], start i32[B] (tokens already written),

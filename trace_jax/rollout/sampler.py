@@ -208,7 +208,8 @@ class SamplerEngine:
       if isinstance(req, PromptRequest):
         ids = [int(t) for t in req.prompt_ids]
         if not 1 <= len(ids) < self.cfg.max_seq_len:
-          raise ValueError(f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
+          raise ValueError(
+              f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
         tree = Tree(ids, uid=self._next_uid, meta=req.meta, prompt_text=req.prompt_text)
         self._next_uid += 1
         tree._nbranches = 0
@@ -221,7 +222,8 @@ class SamplerEngine:
           raise IndexError(f"node {node_id} not in tree {tree.uid}")
         if tree.nodes[node_id].done:
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
-                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an anchor")
+                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
+                           f"anchor")
         if tree.uid not in self.live_trees or (node_id not in tree._kv and node_id != 0):
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
                            f"released (fork before calling engine.release)")

@@ -8,7 +8,7 @@ finished trajectories (`done`) with a reward; anchors are the root and every int
 the prefixes continuations can be forked from.
 
 `to_flat` exports the flat node arrays `trace_jax.rl.advantages` consumes (parents before children).
-Trees hold only host data (numpy/lists), so they pickle, serialize to JSON and plot without a device.
+Trees hold only host data (numpy/lists): they pickle, serialize to JSON and plot without a device.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""Sampler engine: token-by-token agreement with a plain forward, forks, limits, pool, compilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.models.qwen3 import Qwen3, get_preset
+from trace_jax.rollout.engine_ops import sample_tokens
+from trace_jax.rollout.paged_kv import PoolExhaustedError
+from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv, check_against_forward
+
+V = 64
+EOS, SEARCH, ANSWER = 1, 5, 6
+TOK = IdTokenizer({SEARCH: "</search>", ANSWER: "</answer>"})
+PROMPTS = [[3, 9, 12, 17, 22, 30, 41], [10, 11, 12], list(range(20, 38))]
+
+
+@pytest.fixture(scope="module")
+def model():
+  gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
+  # A random init at std 0.02 barely depends on its input (greedy repeats one token); larger
+  # weights make every branch's tokens differ, so a wrong K/V page would show up in the tokens.
+  st = jax.tree.map(lambda x: x * 6.0, st)
+  return gd, st
+
+
+def make_engine(model, **kw):
+  base = dict(num_slots=4, page_size=4, num_pages=512, max_seq_len=96, max_turn_tokens=7,
+              max_obs_tokens=12, max_turns=4, prefill_chunk=(16,), page_buckets=(24,), greedy=True,
+              max_group_size=2, max_groups=2)
+  base.update(kw)
+  return SamplerEngine(model[0], model[1], SamplerConfig(**base), TOK.encode, TOK.decode,
+                       ScriptedEnv(V), eos_id=EOS)
+
+
+def two_stage(engine, n=2, k=2):
+  trees = engine.run([PromptRequest(p, n=n) for p in PROMPTS])
+  forks = [ForkRequest(t, a.id, k) for t in trees for a in t.anchors() if a.depth in (0, 1, 2)]
+  engine.run(forks)
+  return trees
+
+
+def leaf_sequences(trees):
+  return [sorted(tuple(t.path_tokens(leaf.id)[0]) for leaf in t.leaves()) for t in trees]
+
+
+def test_greedy_forks_match_plain_forward(model):
+  engine = make_engine(model)
+  free0 = engine.alloc.num_free
+  trees = two_stage(engine)
+  depths = {n.depth for t in trees for n in t.nodes if len(n.children) > 1}
+  assert {0, 1, 2} <= depths  # branching at the root and at two turn boundaries
+  stats = check_against_forward(trees, *model, greedy=True)
+  assert stats["tokens"] > 200 and stats["features"] > 20
+  # Every node has its prefix feature (leaves too, via the extra step).
+  assert all(n.feature is not None for t in trees for n in t.nodes)
+  led = engine.ledger
+  assert led.generated_tokens == sum(len(n.gen_ids) for t in trees for n in t.nodes)
+  assert led.rollouts_started == sum(len(t.nodes[0].children) for t in trees) + sum(
+      len(n.children) - 1 for t in trees for n in t.nodes[1:] if n.children)
+  assert led.tool_calls == engine.env_step.calls
+  engine.release(trees)
+  assert engine.alloc.num_free == free0 and not engine.alloc.refcount.any()
+
+
+def test_tree_attention_equals_plain_paged_attention(model):
+  a = two_stage(make_engine(model, use_tree_attention=True))
+  b = two_stage(make_engine(model, use_tree_attention=False))
+  assert leaf_sequences(a) == leaf_sequences(b)
+  # Sampled too: same per-branch keys, so the same tokens.
+  a = make_engine(model, greedy=False, seed=3).run([PromptRequest(p, n=3) for p in PROMPTS])
+  b = make_engine(model, greedy=False, seed=3, use_tree_attention=False).run(
+      [PromptRequest(p, n=3) for p in PROMPTS])
+  assert leaf_sequences(a) == leaf_sequences(b)
+  check_against_forward(a, *model, greedy=False)
+
+
+def test_no_compilation_after_warmup(model):
+  engine = make_engine(model, greedy=False)
+  two_stage(engine)  # warm-up: every bucket this workload uses
+  before = engine.compile_counts()
+  engine.update_params(jax.tree.map(lambda x: x * 1.01, engine.state))  # same shapes: no retrace
+  compiles = []
+
+  def listener(name, *args, **kwargs):
+    compiles.append(name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    two_stage(engine)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert engine.compile_counts() == before
+  assert not [c for c in compiles if "backend_compile" in c], compiles
+
+
+def test_pool_exhaustion_truncates_without_corrupting_others(model):
+  # All four branches start at once (their start pages fit), then the pool runs dry mid-turn.
+  requests = [PromptRequest(p, n=2) for p in PROMPTS[:2]]
+  big = make_engine(model).run(requests)
+  engine = make_engine(model, num_pages=40)
+  small = engine.run(requests)
+  cut = [n for t in small for n in t.nodes if n.truncated == "pool_exhausted"]
+  assert cut, "the pool was meant to run out"
+  assert all(n.done and n.reward == 0.0 for n in cut)
+  check_against_forward(small, *model, greedy=True)  # nothing read a page it did not own
+  for ts, tb in zip(small, big):
+    full = {tuple(tb.path_tokens(x.id)[0]) for x in tb.leaves()}
+    for leaf in ts.leaves():
+      ids = tuple(ts.path_tokens(leaf.id)[0])
+      if not leaf.truncated:
+        assert ids in full
+      else:  # a cut branch is a prefix of the uncut one
+        assert any(f[:len(ids)] == ids for f in full)
+  engine.release()
+  with pytest.raises(PoolExhaustedError, match="KV pool exhausted"):  # a prompt that cannot start
+    engine.run([PromptRequest(list(range(8, 60)), n=1)] * 4 + [PromptRequest([8] * 90, n=1)])
+  engine.release()
+  assert engine.alloc.num_free == engine.alloc.capacity
+
+
+def test_limits_are_recorded(model):
+  engine = make_engine(model, max_seq_len=30, max_turns=2)
+  trees = engine.run([PromptRequest(p, n=2) for p in PROMPTS])
+  for t in trees:
+    for leaf in t.leaves():
+      assert t.prefix_len(leaf.id) <= 30
+      assert leaf.depth <= 2
+      assert leaf.truncated in ("", "max_seq_len", "max_turns")
+    for n in t.nodes[1:]:
+      assert len(n.gen_ids) <= 7
+      assert len(n.obs_ids) <= 12
+      assert n.gen_ids[-1] in (SEARCH, ANSWER, EOS) or len(n.gen_ids) == 7 or n.truncated
+  reasons = {leaf.truncated for t in trees for leaf in t.leaves()}
+  assert {"max_seq_len", "max_turns"} <= reasons
+  check_against_forward(trees, *model, greedy=True)
+
+
+def test_fork_errors(model):
+  engine = make_engine(model)
+  trees = engine.run([PromptRequest(PROMPTS[0], n=2)])
+  leaf = trees[0].leaves()[0]
+  with pytest.raises(ValueError, match="finished"):
+    engine.run([(trees[0], leaf, 1)])
+  engine.release(trees)
+  with pytest.raises(ValueError, match="released"):
+    engine.run([(trees[0], 1, 1)])
+
+
+def test_sample_tokens():
+  logits = jax.random.normal(jax.random.key(0), (4, 16)) * 2
+  keys = np.tile(np.asarray([[0, 7]], np.uint32), (4, 1))
+  cnt = np.arange(4, dtype=np.int32)
+  f = lambda t, p, k, g: sample_tokens(logits, keys, cnt, jnp.full(4, t), jnp.full(4, p),
+                                       jnp.full(4, k, jnp.int32), jnp.full(4, g))
+  best = np.argmax(np.asarray(logits), -1)
+  assert (np.asarray(f(1.0, 1.0, 0, True)[0]) == best).all()
+  assert (np.asarray(f(1.0, 1.0, 1, False)[0]) == best).all()  # top-k 1
+  assert (np.asarray(f(1.0, 1e-6, 0, False)[0]) == best).all()  # nucleus of one token
+  tok, lp, ent = f(1.0, 1.0, 0, False)
+  logp = jax.nn.log_softmax(logits)
+  np.testing.assert_allclose(lp, logp[np.arange(4), tok], rtol=1e-6)
+  np.testing.assert_allclose(ent, -(jnp.exp(logp) * logp).sum(-1), rtol=1e-5)
+  # Empirical frequencies follow the tempered, top-k-filtered distribution.
+  row = jnp.tile(logits[:1], (4000, 1))
+  keys = np.tile(np.asarray([[1, 2]], np.uint32), (4000, 1))
+  tok, _, _ = sample_tokens(row, keys, np.arange(4000, dtype=np.int32), jnp.full(4000, 0.7),
+                            jnp.ones(4000), jnp.full(4000, 5, jnp.int32), jnp.zeros(4000, bool))
+  top5 = np.argsort(-np.asarray(logits[0]))[:5]
+  p = np.asarray(jax.nn.softmax(logits[0, top5] / 0.7))
+  freq = np.asarray([(np.asarray(tok) == t).mean() for t in top5])
+  assert set(np.unique(np.asarray(tok))) <= set(top5.tolist())
+  np.testing.assert_allclose(freq, p, atol=0.03)
