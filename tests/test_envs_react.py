@@ -179,6 +179,17 @@ def test_retriever_failure_becomes_error_observation():
   assert env.step_batch(states[:1], ["<answer>x</answer>"])[0].reward == 1.0
 
 
+def test_forked_states_are_independent():
+  env = MultiHopEnv(FakeRetriever(), "em", max_turns=3, topk=1)
+  root = env.reset(["Orsk"])
+  env.step_batch([root], ["<search>q</search>"])
+  a, b = root.fork(), root.fork()
+  out = env.step_batch([a, b], ["<answer>Orsk</answer>", "<search>again</search>"])
+  assert (out[0].reward, out[0].done, out[1].done) == (1.0, True, False)
+  assert (root.turn, root.done, a.turn, b.turn) == (1, False, 2, 2)
+  assert env.step_batch([b], ["<search>last</search>"])[0].info["turn_limit"]
+
+
 def test_env_argument_errors():
   with pytest.raises(ValueError):
     MultiHopEnv(FakeRetriever(), "em", max_turns=0)

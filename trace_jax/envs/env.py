@@ -33,6 +33,10 @@ class EnvState:
   prediction: Optional[str] = None
   reward: float = 0.0
 
+  def fork(self) -> "EnvState":
+    """An independent copy, for branching several continuations from one turn boundary."""
+    return dataclasses.replace(self, golds=list(self.golds))
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:

@@ -74,12 +74,14 @@ def expert_stats(world: World, examples: list[SyntheticQuestion], traces_per_exa
   """Expert success by hop count, by trap wording, and trace lengths in tokens."""
   rng = np.random.default_rng(seed)
   by_hop = collections.defaultdict(list)
-  after_bad, after_good = [], []
+  after_bad, after_good, trap_wordings = [], [], []
   lengths, obs_lengths = [], []
   for ex in examples:
     for _ in range(traces_per_example):
       tr = expert_trace(world, ex, rng)
       by_hop[ex.hops].append(tr.correct)
+      trap_wordings += [s["wording"] == "question" for s in tr.meta["searches"]
+                        if s["relation"] in world.config.trap_relations]
       trap_searches = [s for s in tr.meta["searches"]
                        if s["relation"] in world.config.trap_relations and not tr.meta["errors"]]
       if trap_searches:
@@ -92,6 +94,7 @@ def expert_stats(world: World, examples: list[SyntheticQuestion], traces_per_exa
   out = {
       "success_by_hops": {h: _rate(v) for h, v in sorted(by_hop.items())},
       "success": _rate([x for v in by_hop.values() for x in v]),
+      "trap_question_wording_share": _rate(trap_wordings),
       "trap_success_after_question_wording": _rate(after_bad),
       "trap_success_after_passage_wording": _rate(after_good),
   }
