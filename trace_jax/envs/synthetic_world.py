@@ -11,7 +11,7 @@ Difficulty is built in, not sprinkled on (DESIGN.md §3):
     mostly uses the question's wording, so the better query exists in the traces but is rare,
     and following the misleading passage leads to a wrong answer.
 
-Every text is lowercase template words around capitalized names, tokens separated by spaces.
+The schema (relations, wordings, templates) lives in `synthetic_schema`.
 """
 
 from __future__ import annotations
@@ -25,77 +25,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from trace_jax.envs.retrieval import BM25Retriever
-from trace_jax.envs.types import Doc
-
-ENTITY_TYPES = ("country", "city", "person", "company", "university")
-
-
-@dataclasses.dataclass(frozen=True)
-class Relation:
-  """A typed relation with its wordings.
-
-  fact: the true sentence; on_object_side: stored in the object's passage instead of the
-  subject's; noun: the question's noun phrase `the {noun} of X`; query_passage: a query in the
-  passage's words; misleading: the planted sentence matching the noun wording (trap relations).
-  """
-
-  name: str
-  subject_type: str
-  object_type: str
-  fact: str
-  noun: str
-  query_passage: str
-  on_object_side: bool = False
-  misleading: Optional[str] = None
-
-  def question_query(self, x: str) -> str:
-    return f"{self.noun} of {x}"
-
-
-RELATIONS = {
-    r.name: r
-    for r in [
-        Relation("born_in", "person", "city", "{s} was born in {o} .", "birthplace", "{x} born in"),
-        Relation("works_for", "person", "company", "{s} works for {o} .", "employer",
-                 "{x} works for"),
-        Relation("studied_at", "person", "university", "{s} studied at {o} .", "university",
-                 "{x} studied at"),
-        Relation("founded_by", "company", "person", "{o} founded {s} .", "founder", "founded {x}",
-                 on_object_side=True, misleading="{w} is called the founder of {s} ."),
-        Relation("company_city", "company", "city", "{s} is based in {o} .", "city",
-                 "{x} based in"),
-        Relation("uni_city", "university", "city", "{s} is located in {o} .", "city",
-                 "{x} located in"),
-        Relation("city_country", "city", "country", "{s} is a city in {o} .", "country",
-                 "{x} city in"),
-        Relation("capital", "country", "city", "the government of {s} sits in {o} .", "capital",
-                 "government of {x}", on_object_side=True,
-                 misleading="{w} was the old capital of {s} ."),  # Also states w's country.
-    ]
-}
-# A capital's (or old capital's) passage states its country through that sentence instead.
-CITY_COUNTRY_ALTERNATIVES = (
-    "the government of {o} sits in {s} .", "{s} was the old capital of {o} .",
+from trace_jax.envs.synthetic_schema import (  # noqa: F401  (some names re-exported)
+    CITY_COUNTRY_ALTERNATIVES, DISTRACTOR_TEMPLATES, ENTITY_TYPES, FORBIDDEN_RELATION_PAIRS,
+    NAME_CODAS, NAME_ONSETS, NAME_VOWELS, NEXT_RELATIONS_BY_TYPE, RELATIONS, RESERVED_NAMES,
+    TYPE_INTROS, Relation,
 )
-
-# Relations that may follow each relation (by the object's type), minus immediate loops.
-_NEXT_BY_TYPE = {t: [r.name for r in RELATIONS.values() if r.subject_type == t]
-                 for t in ENTITY_TYPES}
-_FORBIDDEN_PAIRS = {("capital", "city_country")}
-
-DISTRACTOR_TEMPLATES = {
-    "person": "{s} once met {y} .",
-    "company": "{s} competes with {y} .",
-    "university": "{s} partners with {y} .",
-    "city": "{s} is twinned with {y} .",
-    "country": "{s} borders {y} .",
-}
-TYPE_INTROS = {"country": "{s} is a country .", "university": "{s} is a university ."}
-
-_ONSETS = ("b c d f g h k l m n p r s t v z br dr gr kr pl st tr th sk").split()
-_VOWELS = ("a", "e", "i", "o", "u")
-_CODAS = ("", "", "n", "r", "l", "s", "k", "m", "th")
-_RESERVED = {"Doc", "Title", "Invalid", "Use", "Search", "Try", "No"}
+from trace_jax.envs.types import Doc
 
 
 @dataclasses.dataclass
@@ -214,11 +149,11 @@ class World:
 
 
 def _make_names(n: int, rng: np.random.Generator) -> list[str]:
-  names, seen = [], set(_RESERVED)
+  names, seen = [], set(RESERVED_NAMES)
   while len(names) < n:
     n_syl = rng.choice([2, 2, 3])
-    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(n_syl)]
-    name = ("".join(parts) + rng.choice(_CODAS)).capitalize()
+    parts = [rng.choice(NAME_ONSETS) + rng.choice(NAME_VOWELS) for _ in range(n_syl)]
+    name = ("".join(parts) + rng.choice(NAME_CODAS)).capitalize()
     if 4 <= len(name) <= 9 and name not in seen:
       seen.add(name)
       names.append(name)
@@ -227,10 +162,10 @@ def _make_names(n: int, rng: np.random.Generator) -> list[str]:
 
 def _twin_of(name: str, taken: set, rng: np.random.Generator) -> Optional[str]:
   """A name one vowel away from `name` that is not taken yet."""
-  vowel_pos = [i for i, c in enumerate(name.lower()) if c in _VOWELS]
+  vowel_pos = [i for i, c in enumerate(name.lower()) if c in NAME_VOWELS]
   for _ in range(10):
     i = int(rng.choice(vowel_pos))
-    v = rng.choice([u for u in _VOWELS if u != name[i].lower()])
+    v = rng.choice([u for u in NAME_VOWELS if u != name[i].lower()])
     twin = name[:i] + (v.upper() if i == 0 else v) + name[i + 1:]
     if twin not in taken:
       return twin
@@ -384,9 +319,9 @@ def _write_corpus(cfg, entities, facts, twins, traps, rng) -> list[Doc]:
 def _sample_chain(start, n_hops, entities, facts, rng):
   chain, relations, current = [start], [], start
   for _ in range(n_hops):
-    options = [r for r in _NEXT_BY_TYPE[entities[current]]
+    options = [r for r in NEXT_RELATIONS_BY_TYPE[entities[current]]
                if current in facts[r]
-               and not (relations and (relations[-1], r) in _FORBIDDEN_PAIRS)]
+               and not (relations and (relations[-1], r) in FORBIDDEN_RELATION_PAIRS)]
     if not options:
       return None
     r = options[int(rng.integers(len(options)))]
