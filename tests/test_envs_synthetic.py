@@ -143,6 +143,7 @@ def test_longer_chains_are_harder(default_world):
   by_hop = stats["success_by_hops"]
   assert by_hop[1] > by_hop[2] > by_hop[3] > by_hop[4]
   assert 0.3 <= stats["success"] <= 0.8
+  assert stats["mixed_share_over_2_traces"] >= 0.2  # Prompts differ in difficulty.
   assert stats["trap_success_after_question_wording"] < stats["trap_success_after_passage_wording"]
 
 
@@ -180,6 +181,11 @@ def test_sft_dataset_keeps_both_wordings_and_failures(small):
       i % 2 == 0 for i in range(len(segs) - 1)]
   with pytest.raises(ValueError, match="no 'dev' examples"):
     syn.make_sft_dataset(small, 1, np.random.default_rng(0), split="dev")
+  subset = small.train[:5]
+  picked = syn.make_sft_dataset(small, 50, np.random.default_rng(0), examples=subset)
+  assert {r.example.id for r in picked} <= {ex.id for ex in subset}
+  with pytest.raises(ValueError, match="no examples"):
+    syn.make_sft_dataset(small, 1, np.random.default_rng(0), examples=[])
 
 
 def test_tokenizer(small):

@@ -74,12 +74,14 @@ def expert_stats(world: World, examples: list[SyntheticQuestion], traces_per_exa
   """Expert success by hop count, by trap wording, and trace lengths in tokens."""
   rng = np.random.default_rng(seed)
   by_hop = collections.defaultdict(list)
-  after_bad, after_good, trap_wordings = [], [], []
+  after_bad, after_good, trap_wordings, mixed = [], [], [], []
   lengths, obs_lengths = [], []
   for ex in examples:
+    outcomes = []
     for _ in range(traces_per_example):
       tr = expert_trace(world, ex, rng)
       by_hop[ex.hops].append(tr.correct)
+      outcomes.append(tr.correct)
       trap_wordings += [s["wording"] == "question" for s in tr.meta["searches"]
                         if s["relation"] in world.config.trap_relations]
       trap_searches = [s for s in tr.meta["searches"]
@@ -91,9 +93,13 @@ def expert_stats(world: World, examples: list[SyntheticQuestion], traces_per_exa
         segs = trace_segments(ex, tr)
         lengths.append(sum(len(tokenizer.encode(t).ids) for t, _ in segs))
         obs_lengths += [len(tokenizer.encode(t).ids) for t, gen in segs[1:] if not gen]
+    mixed.append(0 < sum(outcomes) < len(outcomes))
   out = {
       "success_by_hops": {h: _rate(v) for h, v in sorted(by_hop.items())},
       "success": _rate([x for v in by_hop.values() for x in v]),
+      # Questions whose expert traces have both a success and a failure (the effective ratio
+      # a policy as good as the expert would see with this many rollouts).
+      f"mixed_share_over_{traces_per_example}_traces": _rate(mixed),
       "trap_question_wording_share": _rate(trap_wordings),
       "trap_success_after_question_wording": _rate(after_bad),
       "trap_success_after_passage_wording": _rate(after_good),
@@ -128,6 +134,9 @@ def world_stats(world: World, traces_per_example: int = 4, seed: int = 0) -> dic
       "hops_train": dict(sorted(collections.Counter(ex.hops for ex in world.train).items())),
       "hops_test": dict(sorted(collections.Counter(ex.hops for ex in world.test).items())),
       "test_facts_seen_in_train_chains": _rate([f in train_facts for f in test_facts]),
+      "test_questions_with_a_trap_relation": _rate(
+          [bool(set(ex.meta["relations"]) & set(world.config.trap_relations))
+           for ex in world.test]),
       "retrieval_test": retrieval_stats(world, world.test),
       "expert_test": expert_stats(world, world.test, traces_per_example, seed, tokenizer),
   }

@@ -169,17 +169,20 @@ def trace_segments(example: SyntheticQuestion, trace: Trace) -> list[tuple[str, 
 
 
 def make_sft_dataset(
-    world: World, n: int, rng: np.random.Generator, split: str = "train"
+    world: World, n: int, rng: np.random.Generator, split: str = "train",
+    examples: Optional[Sequence[SyntheticQuestion]] = None,
 ) -> list[SFTRecord]:
-  """`n` expert traces on questions drawn uniformly (with replacement) from `split`.
+  """`n` expert traces on questions drawn uniformly (with replacement) from `split`, or from
+  `examples` when given (e.g. to keep the RL prompts out of fine-tuning).
 
   Failed traces are kept on purpose: the expert does not know it failed, and dropping them would
   remove the systematic mistake the RL stage is meant to discover.
   """
-  if split not in ("train", "test"):
-    raise ValueError(f"world has no {split!r} examples; split is 'train' or 'test'")
-  examples = getattr(world, split)
+  if examples is None:
+    if split not in ("train", "test"):
+      raise ValueError(f"world has no {split!r} examples; split is 'train' or 'test'")
+    examples = getattr(world, split)
   if not examples:
-    raise ValueError(f"world has no {split!r} examples")
+    raise ValueError(f"no examples to draw from (split {split!r})")
   idx = rng.integers(len(examples), size=n)
   return [SFTRecord(examples[i], expert_trace(world, examples[i], rng)) for i in idx]
