@@ -94,6 +94,15 @@ def test_save_load_roundtrip(small, tmp_path):
   assert loaded.facts == small.facts and loaded.traps == small.traps
   q = [ex.question for ex in small.test[:5]]
   assert loaded.retriever().search(q, 2) == small.retriever().search(q, 2)
+  with pytest.raises(FileNotFoundError, match="World.save"):
+    syn.World.load(str(tmp_path / "nowhere"))
+
+
+def test_retriever_follows_config(small):
+  r = small.retriever()
+  assert small.retriever() is r and (r.k1, r.b) == (small.config.bm25_k1, small.config.bm25_b)
+  changed = _with(small, bm25_b=0.75)
+  assert changed.retriever().b == 0.75 and small.retriever().b == small.config.bm25_b
 
 
 def test_config_validation():

@@ -83,8 +83,14 @@ class SyntheticQuestion:
 QAExample = SyntheticQuestion  # The name the first version used.
 
 
+_FORMAT_VERSION = 1
+
+
 @dataclasses.dataclass
 class World:
+  """A generated world. Passage ids are entity names; `retriever()` is BM25 over `corpus` with
+  the config's parameters, built once; `search` adds a query cache for trace generation."""
+
   config: SyntheticWorldConfig
   entities: dict  # name -> type
   facts: dict  # relation -> {subject: object}
@@ -97,17 +103,19 @@ class World:
   _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def retriever(self) -> BM25Retriever:
-    if self._retriever is None:
-      self._retriever = BM25Retriever.from_docs(
-          self.corpus, k1=self.config.bm25_k1, b=self.config.bm25_b)
+    r, cfg = self._retriever, self.config
+    if r is None or (r.k1, r.b) != (cfg.bm25_k1, cfg.bm25_b):  # Config replaced since built.
+      self._retriever = BM25Retriever.from_docs(self.corpus, k1=cfg.bm25_k1, b=cfg.bm25_b)
+      self._cache = {}
     return self._retriever
 
   def search(self, queries: Sequence[str], k: Optional[int] = None) -> list[list[Doc]]:
     """Cached batched search (queries repeat a lot across expert traces)."""
     k = self.config.topk if k is None else k
+    retriever = self.retriever()
     missing = [q for q in dict.fromkeys(queries) if (q, k) not in self._cache]
     if missing:
-      for q, docs in zip(missing, self.retriever().search(missing, k)):
+      for q, docs in zip(missing, retriever.search(missing, k)):
         self._cache[(q, k)] = docs
     return [self._cache[(q, k)] for q in queries]
 
@@ -119,6 +127,7 @@ class World:
   def save(self, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     payload = {
+        "format_version": _FORMAT_VERSION,
         "config": dataclasses.asdict(self.config),
         "entities": self.entities,
         "facts": self.facts,
@@ -134,8 +143,14 @@ class World:
   @classmethod
   def load(cls, directory: str) -> "World":
     path = os.path.join(directory, "world.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path} not found: not a directory written by World.save")
     with open(path) as f:
       p = json.load(f)
+    version = p.get("format_version", 1)  # Files written before the field existed are v1.
+    if version != _FORMAT_VERSION:
+      raise ValueError(f"{path}: format_version {version!r}, expected "
+                       f"{_FORMAT_VERSION}; regenerate the world from its seed")
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
     return cls(
         config=SyntheticWorldConfig(**cfg), entities=p["entities"], facts=p["facts"],
