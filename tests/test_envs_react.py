@@ -43,7 +43,8 @@ INVALID = [
     ("<search> a </answer>", "mismatched closing"),
     ("</search> a <search>", "before"),
     ("x </search>", "closing action tag without opening"),
-    ("<think> a <search> q </search>", "unclosed think"),
+    ("<think> a <search> q </search>", "unbalanced think"),
+    ("a </think> <search> q </search>", "unbalanced think"),
     ("<search> q </search> <think> late </think>", "think block must be closed before"),
     ("<think>a</think><think>b</think><answer>c</answer>", "several think"),
     ("<search> q </search> </search>", "several </search>"),
@@ -236,3 +237,13 @@ def test_prompts():
   assert prompts.build_search_r1_prompt("q?", NoTemplate()) == prompts.search_r1_prompt("q?")
   assert prompts.synthetic_prompt(" what is the city of Zantro ? ") == (
       "question : what is the city of Zantro ?\n")
+
+
+def test_package_exports_lazily():
+  import trace_jax.envs as envs
+
+  for name in envs.__all__:
+    assert getattr(envs, name) is not None
+  assert envs.parse_action is react.parse_action and envs.MultiHopEnv is MultiHopEnv
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    envs.nope  # noqa: B018

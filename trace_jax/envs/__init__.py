@@ -1,18 +1,31 @@
-"""Environments: ReAct protocol, scoring, retrieval, the multi-hop env and the synthetic world."""
+"""Environments: ReAct protocol, scoring, retrieval, the multi-hop env and the synthetic world.
 
-from trace_jax.envs.env import EnvState, MultiHopEnv, StepResult, segments_to_tokens
-from trace_jax.envs.react import (
-    STOP_STRINGS, Action, format_observation, parse_action, truncate_observation,
-)
-from trace_jax.envs.retrieval import BM25Retriever, load_corpus_jsonl
-from trace_jax.envs.scoring import (
-    em_format_reward, em_reward, exact_match, f1, f1_reward, get_reward_fn, normalize_answer,
-)
-from trace_jax.envs.types import Doc, Retriever
+Names are imported lazily, so `import trace_jax.envs.react` (or the HTTP retriever) does not pull
+in bm25s, numpy or tokenizers.
+"""
 
-__all__ = [
-    "STOP_STRINGS", "Action", "BM25Retriever", "Doc", "EnvState", "MultiHopEnv", "Retriever",
-    "StepResult", "em_format_reward", "em_reward", "exact_match", "f1", "f1_reward",
-    "format_observation", "get_reward_fn", "load_corpus_jsonl", "normalize_answer",
-    "parse_action", "segments_to_tokens", "truncate_observation",
-]
+import importlib
+
+_EXPORTS = {
+    "EnvState": "env", "MultiHopEnv": "env", "StepResult": "env", "segments_to_tokens": "env",
+    "build_search_r1_prompt": "prompts", "synthetic_prompt": "prompts",
+    "STOP_STRINGS": "react", "Action": "react", "format_observation": "react",
+    "parse_action": "react", "truncate_observation": "react",
+    "BM25Retriever": "retrieval", "load_corpus_jsonl": "retrieval",
+    "em_format_reward": "scoring", "em_reward": "scoring", "exact_match": "scoring", "f1": "scoring",
+    "f1_reward": "scoring", "get_reward_fn": "scoring", "normalize_answer": "scoring",
+    "Doc": "types", "Retriever": "types",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))

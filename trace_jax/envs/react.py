@@ -75,7 +75,7 @@ def parse_action(text: Union[str, bytes, None]) -> Action:
   if names.count(THINK_OPEN) > 1 or names.count(THINK_CLOSE) > 1:
     return _invalid("several think blocks")
   if names.count(THINK_OPEN) != names.count(THINK_CLOSE):
-    return _invalid("unclosed think tag")
+    return _invalid("unbalanced think tags")
 
   open_idx = names.index(SEARCH_OPEN) if SEARCH_OPEN in names else names.index(ANSWER_OPEN)
   open_name = names[open_idx]
