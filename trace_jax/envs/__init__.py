@@ -12,8 +12,8 @@ _EXPORTS = {
     "STOP_STRINGS": "react", "Action": "react", "format_observation": "react",
     "parse_action": "react", "truncate_observation": "react",
     "BM25Retriever": "retrieval", "load_corpus_jsonl": "retrieval",
-    "em_format_reward": "scoring", "em_reward": "scoring", "exact_match": "scoring", "f1": "scoring",
-    "f1_reward": "scoring", "get_reward_fn": "scoring", "normalize_answer": "scoring",
+    "em_format_reward": "scoring", "em_reward": "scoring", "exact_match": "scoring",
+    "f1": "scoring", "f1_reward": "scoring", "get_reward_fn": "scoring", "normalize_answer": "scoring",
     "Doc": "types", "Retriever": "types",
 }
 __all__ = sorted(_EXPORTS)
