@@ -13,7 +13,8 @@ _EXPORTS = {
     "parse_action": "react", "truncate_observation": "react",
     "BM25Retriever": "retrieval", "load_corpus_jsonl": "retrieval",
     "em_format_reward": "scoring", "em_reward": "scoring", "exact_match": "scoring",
-    "f1": "scoring", "f1_reward": "scoring", "get_reward_fn": "scoring", "normalize_answer": "scoring",
+    "f1": "scoring", "f1_reward": "scoring", "get_reward_fn": "scoring",
+    "normalize_answer": "scoring",
     "Doc": "types", "Retriever": "types",
 }
 __all__ = sorted(_EXPORTS)
