@@ -174,3 +174,14 @@ def test_sample_tokens():
   freq = np.asarray([(np.asarray(tok) == t).mean() for t in top5])
   assert set(np.unique(np.asarray(tok))) <= set(top5.tolist())
   np.testing.assert_allclose(freq, p, atol=0.03)
+  # The same through the static top-k cap (lax.top_k instead of a sort).
+  tok2, _, _ = sample_tokens(row, keys, np.arange(4000, dtype=np.int32), jnp.full(4000, 0.7),
+                             jnp.ones(4000), jnp.full(4000, 5, jnp.int32), jnp.zeros(4000, bool),
+                             max_top_k=5)
+  np.testing.assert_array_equal(tok2, tok)
+  # No filter: plain tempered softmax over the whole vocabulary.
+  tok3, _, _ = sample_tokens(row, keys, np.arange(4000, dtype=np.int32), jnp.full(4000, 2.0),
+                             jnp.ones(4000), jnp.zeros(4000, jnp.int32), jnp.zeros(4000, bool),
+                             nucleus=False)
+  freq = np.bincount(np.asarray(tok3), minlength=16) / 4000
+  np.testing.assert_allclose(freq, jax.nn.softmax(logits[0] / 2.0), atol=0.03)

@@ -17,41 +17,59 @@ from trace_jax.kernels.tree_attention import paged_attention_reference, tree_att
 from trace_jax.rollout.paged_kv import paged_prefill_attention, write_tokens
 
 
-def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy):
+def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
+                  max_top_k: int = 0, nucleus: bool = True):
   """Per-slot temperature / top-k / top-p / greedy sampling.
 
   Args:
     logits: f32[S, V]; keys: u32[S, 2] per-branch threefry key data; counters: i32[S] per-branch
       step (folded into the key, so a branch's samples do not depend on which slot it runs in);
     temperature, top_p: f32[S]; top_k: i32[S] (<= 0: off); greedy: bool[S].
+    max_top_k: static cap on top_k. > 0 restricts sampling to the `max_top_k` best tokens
+      (`lax.top_k`, cheap) and per-slot top_k/top_p act inside them; 0 keeps the whole vocabulary.
+    nucleus: static; False skips top-p/top-k entirely, which avoids sorting the vocabulary (a full
+      sort of [S, V] dominates a small model's decode step on CPU).
 
   Returns:
     tokens i32[S], logprob f32[S] and entropy f32[S] of the untempered, unfiltered distribution
     (what the policy-gradient loss recomputes).
   """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logits = logits.astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-  v = logits.shape[-1]
-  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)[:, None]
-  desc = -jnp.sort(-scaled, axis=-1)
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-  kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-  probs = jax.nn.softmax(desc, axis=-1)
-  # Nucleus: keep the smallest prefix of the sorted tokens whose mass reaches top_p (the top token
-  # is always kept because the mass before it is 0).
-  keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-  pth = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-  filtered = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  if max_top_k > 0:
+    cand, cand_ids = jax.lax.top_k(scaled, max_top_k)  # sorted, descending
+  elif nucleus:
+    cand_ids = jnp.argsort(-scaled, axis=-1)
+    cand = jnp.take_along_axis(scaled, cand_ids, axis=-1)
+  else:
+    cand, cand_ids = scaled, None
+  if max_top_k > 0 or nucleus:
+    n = cand.shape[-1]
+    rank = jnp.arange(n)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, n), n)
+    probs = jax.nn.softmax(cand, axis=-1)
+    # Nucleus: the smallest prefix of sorted tokens whose mass reaches top_p (the top token is
+    # always kept, the mass before it being 0).
+    keep = (rank < k[:, None]) & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
+    cand = jnp.where(keep, cand, -jnp.inf)
+  # Inverse-CDF sampling needs one uniform per slot, far cheaper than Gumbel noise over the vocab.
   step_keys = jax.vmap(jax.random.fold_in)(
       jax.random.wrap_key_data(keys, impl="threefry2x32"), counters)
-  sampled = jax.vmap(jax.random.categorical)(step_keys, filtered)
+  u = jax.vmap(lambda k: jax.random.uniform(k, ()))(step_keys)
+  cdf = jnp.cumsum(jax.nn.softmax(cand, axis=-1), axis=-1)
+  idx = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+  idx = jnp.minimum(idx, cand.shape[-1] - 1)
+  sampled = idx if cand_ids is None else jnp.take_along_axis(cand_ids, idx[:, None], axis=-1)[:, 0]
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
   lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   return tokens, lp, entropy
 
 
 @functools.lru_cache(maxsize=16)
-def make_decode_step(graphdef, attention_impl: str = "auto"):
+def make_decode_step(graphdef, attention_impl: str = "auto", max_top_k: int = 0,
+                     nucleus: bool = True):
   """Builds the jitted decode step (cached per model graph, so engines share compilations).
 
   step(state, pool, batch) -> (pool, out) with batch (numpy or device arrays):
@@ -61,6 +79,7 @@ def make_decode_step(graphdef, attention_impl: str = "auto"):
       group_slots i32[NG,B], suffix_pages i32[S,Ps], suffix_lens i32[S]` or plain form
       `page_table i32[S,P], lens i32[S]` (lengths include the new token);
     keys u32[S,2], counters i32[S], temperature f32[S], top_p f32[S], top_k i32[S], greedy bool[S].
+  max_top_k, nucleus: static sampling-filter switches (see `sample_tokens`).
   out: tokens i32[S], logprobs f32[S], entropy f32[S], hidden f32[S, D] (after the final norm, the
   predictor feature of the input token's prefix).
   One compilation per distinct table shape (the engine buckets them).
@@ -86,7 +105,7 @@ def make_decode_step(graphdef, attention_impl: str = "auto"):
     h = hidden[:, 0]
     tokens, lp, ent = sample_tokens(model.logits(h), batch["keys"], batch["counters"],
                                     batch["temperature"], batch["top_p"], batch["top_k"],
-                                    batch["greedy"])
+                                    batch["greedy"], max_top_k=max_top_k, nucleus=nucleus)
     new_pool = {"k": [a[0] for a in auxs], "v": [a[1] for a in auxs]}
     return new_pool, dict(tokens=tokens, logprobs=lp, entropy=ent, hidden=h.astype(jnp.float32))
 

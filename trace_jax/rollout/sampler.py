@@ -19,8 +19,7 @@ feature of the prefix ending at that token.
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -29,89 +28,9 @@ from flax import nnx
 from trace_jax.rollout import engine_ops, slot_tables
 from trace_jax.rollout.paged_kv import (NULL_PAGE, PageAllocator, PoolExhaustedError, copy_pages,
                                         init_pool)
+from trace_jax.rollout.sampler_config import (DEFAULT_STOP_STRINGS, EnvStep, ForkRequest, Ledger,
+                                              PromptRequest, SamplerConfig, TurnRef)
 from trace_jax.rollout.tree import Node, Tree
-
-DEFAULT_STOP_STRINGS = ("</search>", "</answer>")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-  num_slots: int = 8                # concurrent branches (decode batch)
-  page_size: int = 16               # tokens per KV page
-  num_pages: int = 1024             # pages in the pool (page 0 is the null page)
-  max_seq_len: int = 512            # prompt + all turns + observations of one trajectory
-  max_turn_tokens: int = 64         # generated tokens per turn
-  max_obs_tokens: int = 64          # observation tokens kept per turn
-  max_turns: int = 5                # turns per trajectory
-  prefill_chunk: tuple = (32, 128)  # prefill chunk buckets (tokens per row per call)
-  prefill_batch: int = 4            # rows per prefill call
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0                    # <= 0: off
-  greedy: bool = False
-  use_tree_attention: bool = True   # False: plain paged attention over each slot's full table
-  max_group_size: int = 0           # branches per attention group; 0: min(num_slots, 8)
-  max_groups: int = 0               # group rows of the tree kernel; 0: 2 * num_slots / group size
-  page_buckets: tuple = ()          # page-table width buckets; (): powers of two
-  attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
-  leaf_features: bool = True        # one extra step per leaf to record its prefix feature
-  truncation_reward: float = 0.0    # reward of trajectories cut by a limit or the pool
-  seed: int = 0
-
-  @property
-  def max_pages_per_seq(self) -> int:
-    return -(-self.max_seq_len // self.page_size)
-
-  @property
-  def group_size(self) -> int:
-    return self.max_group_size or min(self.num_slots, 8)
-
-  @property
-  def num_groups(self) -> int:
-    return self.max_groups or max(1, -(-2 * self.num_slots // self.group_size))
-
-
-@dataclasses.dataclass
-class PromptRequest:
-  """A new prompt sampled `n` times from its root."""
-  prompt_ids: Sequence[int]
-  n: int
-  meta: dict | None = None
-  prompt_text: str = ""
-
-
-@dataclasses.dataclass
-class ForkRequest:
-  """`k` new continuations of an existing tree from anchor node `node` (id or Node)."""
-  tree: Tree
-  node: int | Node
-  k: int
-
-
-class TurnRef(NamedTuple):
-  """The rollout id handed to the environment: the tree (its `meta` has the question) and the new
-  turn node (depth, parent, generated ids and text)."""
-  tree: Tree
-  node: Node
-
-
-# env_step([(TurnRef, generated_text)]) -> [(observation_text | None, done, reward)]
-EnvStep = Callable[[list], list]
-
-
-@dataclasses.dataclass
-class Ledger:
-  rollouts_started: int = 0
-  generated_tokens: int = 0
-  prefill_tokens: int = 0
-  tool_calls: int = 0
-  decode_steps: int = 0
-  busy_slot_steps: int = 0
-  total_slot_steps: int = 0
-
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
-
 
 class _Branch:
   """Host state of one active rollout: its page table, lengths, rng and current turn."""
@@ -130,6 +49,8 @@ class _Branch:
     self.waiting = False                 # synchronous turns: turn ended, waiting for the barrier
     self.end_reason = ""
     self.node: Node | None = None
+    self.serial = 0                      # rollout index within its tree (Node.rollout)
+    self.turn_limit = 0
 
 
 class SamplerEngine:
@@ -137,10 +58,13 @@ class SamplerEngine:
 
   def __init__(self, model_graphdef, params_state, cfg: SamplerConfig, encode, decode,
                env_step: EnvStep, eos_id: int | None, stop_strings=DEFAULT_STOP_STRINGS,
-               kv_dtype=None):
+               kv_dtype=None, turn_limit_fn=None):
     self.cfg, self.graphdef, self.state = cfg, model_graphdef, params_state
     self.encode, self.decode, self.env_step = encode, decode, env_step
     self.eos_id, self.stop_strings = eos_id, tuple(stop_strings)
+    # Optional (tree, rollout serial, turn depth) -> token limit of that turn, capped by
+    # max_turn_tokens; simulated workloads use it to draw turn lengths.
+    self.turn_limit_fn = turn_limit_fn
     mcfg = nnx.merge(model_graphdef, params_state).cfg
     self.model_cfg = mcfg
     self.alloc = PageAllocator(cfg.num_pages)
@@ -148,11 +72,14 @@ class SamplerEngine:
                           mcfg.head_dim, kv_dtype or mcfg.dtype)
     self.buckets = slot_tables.page_buckets(cfg.max_pages_per_seq, cfg.page_buckets)
     self.chunks = tuple(sorted(cfg.prefill_chunk))
-    self._decode = engine_ops.make_decode_step(model_graphdef, cfg.attention_impl)
+    # Static filter switches: no vocabulary sort unless top-p/top-k is on (see sample_tokens).
+    self._decode = engine_ops.make_decode_step(model_graphdef, cfg.attention_impl,
+                                               max(cfg.top_k, 0), cfg.top_p < 1.0)
     self._prefill = engine_ops.make_prefill_step(model_graphdef)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
     self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
+    self.starts: list[tuple[int, int]] = []  # (slot, tree uid) of every branch started
     self.live_trees: dict[int, Tree] = {}
     self._next_uid = 0
     self._jobs: list = []
@@ -283,12 +210,16 @@ class SamplerEngine:
         dst.append(own[0])
       self.alloc.incref(shared)
       node = tree.nodes[node_id]
-      seq = np.random.SeedSequence([cfg.seed, tree.uid, tree.__dict__.setdefault("_nbranches", 0)])
+      serial = tree.__dict__.setdefault("_nbranches", 0)
       tree._nbranches += 1
+      seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
       b = _Branch(tree, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
                   seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
+      b.serial = serial
       b.feature_for = node_id if node.feature is None else None
+      b.turn_limit = self._turn_limit(b)
       self.slots[slot] = b
+      self.starts.append((slot, tree.uid))
       self.ledger.rollouts_started += 1
     if src:
       pad = self.cfg.num_slots - len(src)
@@ -389,7 +320,7 @@ class SamplerEngine:
         b.end_reason = "stop"
       elif self.stop_strings and any(x in self.decode(b.turn_ids[-16:]) for x in self.stop_strings):
         b.end_reason = "stop"
-      elif len(b.turn_ids) >= cfg.max_turn_tokens:
+      elif len(b.turn_ids) >= b.turn_limit:
         b.end_reason = "turn_limit"
       elif b.kv_len + 1 >= cfg.max_seq_len:
         b.end_reason = "max_seq_len"
@@ -410,7 +341,8 @@ class SamplerEngine:
       b.waiting = False
       ids = b.turn_ids[:-1] if b.turn_ids and b.turn_ids[-1] == self.eos_id else b.turn_ids
       b.node = b.tree.add_node(b.parent_node, gen_ids=b.turn_ids, logprobs=b.turn_lps,
-                               entropies=b.turn_ents, text=self.decode(ids) if ids else "")
+                               entropies=b.turn_ents, text=self.decode(ids) if ids else "",
+                               rollout=b.serial)
       if b.end_reason in ("stop", "turn_limit"):
         calls.append(i)
       else:
@@ -434,6 +366,7 @@ class SamplerEngine:
         self._finish(i)
       else:
         b.parent_node, b.feature_for = b.node.id, b.node.id
+        b.turn_limit = self._turn_limit(b)
 
   def _add_observation(self, b: _Branch, obs_text: str):
     cfg, node = self.cfg, b.node
@@ -462,6 +395,12 @@ class SamplerEngine:
       b.final, b.feature_for = True, b.node.id  # one more step feeds the last token
     else:
       self._retire(i)
+
+  def _turn_limit(self, b: _Branch) -> int:
+    if self.turn_limit_fn is None:
+      return self.cfg.max_turn_tokens
+    depth = b.tree.nodes[b.parent_node].depth + 1
+    return max(1, min(self.cfg.max_turn_tokens, int(self.turn_limit_fn(b.tree, b.serial, depth))))
 
   def _retire(self, i):
     b = self.slots[i]

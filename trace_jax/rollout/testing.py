@@ -53,25 +53,30 @@ class ScriptedEnv:
 
 
 class LongTailEnv:
-  """Simulated workload: each rollout gets a turn count from a long-tailed distribution at its
-  first turn; observations are short. Turn lengths come from `turn_limit` (see the benchmark)."""
+  """Simulated long-tailed workload: each rollout's number of turns is Pareto distributed (most
+  rollouts short, a few long), observations are a few random words. Everything is a function of
+  (seed, tree uid, rollout index, depth), so results do not depend on scheduling order. Turn
+  lengths come from the engine's `turn_limit_fn` (see the scheduler tests and the benchmark)."""
 
-  def __init__(self, vocab: int, seed: int = 0, mean_turns: float = 1.5, max_turns: int = 8):
-    self.rng = np.random.default_rng(seed)
-    self.vocab, self.mean_turns, self.max_turns = vocab, mean_turns, max_turns
-    self.turns: dict[tuple[int, int], int] = {}
+  def __init__(self, vocab: int, seed: int = 0, mean_turns: float = 1.5, max_turns: int = 8,
+               obs_words: int = 4):
+    self.vocab, self.seed, self.mean_turns, self.max_turns = vocab, seed, mean_turns, max_turns
+    self.obs_words = obs_words
+
+  def num_turns(self, tree_uid: int, rollout: int) -> int:
+    rng = np.random.default_rng([self.seed, tree_uid, rollout])
+    return int(min(self.max_turns, 1 + rng.pareto(1.5) * self.mean_turns))
 
   def __call__(self, calls):
     out = []
     for ref, _ in calls:
-      k = (ref.tree.uid, ref.tree.path(ref.node.id)[1])  # keyed by the rollout's first turn
-      if k not in self.turns:  # Pareto: most rollouts short, a few very long
-        self.turns[k] = int(min(self.max_turns, 1 + self.rng.pareto(1.5) * self.mean_turns))
-      if ref.node.depth >= self.turns[k]:
-        out.append((None, True, float(self.rng.random() < 0.5)))
+      node = ref.node
+      rng = np.random.default_rng([self.seed, ref.tree.uid, node.rollout, node.depth, 1])
+      if node.depth >= self.num_turns(ref.tree.uid, node.rollout):
+        out.append((None, True, float(rng.random() < 0.5)))
       else:
-        out.append((" ".join(f"w{8 + int(x)}" for x in self.rng.integers(0, self.vocab - 8, 4)),
-                    False, 0.0))
+        words = rng.integers(8, self.vocab, self.obs_words)
+        out.append((" ".join(f"w{int(x)}" for x in words), False, 0.0))
     return out
 
 

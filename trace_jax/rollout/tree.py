@@ -41,6 +41,7 @@ class Node:
     value, n_leaves: backed-up mean leaf reward V(y) and leaf count n_y of the subtree (`backup`).
     children: child ids.
     text, obs_text: decoded turn text and raw observation text (for inspection).
+    rollout: index (within the tree) of the sampler branch that generated the turn, -1 if unknown.
   """
 
   id: int
@@ -60,6 +61,7 @@ class Node:
   children: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   obs_text: str = ""
+  rollout: int = -1
 
   @property
   def is_leaf(self) -> bool:

@@ -1,0 +1,93 @@
+"""Sampler configuration, request types, the environment callback contract and the cost ledger."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+from trace_jax.rollout.tree import Node, Tree
+
+DEFAULT_STOP_STRINGS = ("</search>", "</answer>")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  num_slots: int = 8                # concurrent branches (decode batch)
+  page_size: int = 16               # tokens per KV page
+  num_pages: int = 1024             # pages in the pool (page 0 is the null page)
+  max_seq_len: int = 512            # prompt + all turns + observations of one trajectory
+  max_turn_tokens: int = 64         # generated tokens per turn
+  max_obs_tokens: int = 64          # observation tokens kept per turn
+  max_turns: int = 5                # turns per trajectory
+  prefill_chunk: tuple = (32, 128)  # prefill chunk buckets (tokens per row per call)
+  prefill_batch: int = 4            # rows per prefill call
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                    # <= 0: off
+  greedy: bool = False
+  use_tree_attention: bool = True   # False: plain paged attention over each slot's full table
+  max_group_size: int = 0           # branches per attention group; 0: min(num_slots, 8)
+  max_groups: int = 0               # group rows of the tree kernel; 0: 2 * num_slots / group size
+  page_buckets: tuple = ()          # page-table width buckets; (): powers of two
+  attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
+  leaf_features: bool = True        # one extra step per leaf to record its prefix feature
+  truncation_reward: float = 0.0    # reward of trajectories cut by a limit or the pool
+  seed: int = 0
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return -(-self.max_seq_len // self.page_size)
+
+  @property
+  def group_size(self) -> int:
+    return self.max_group_size or min(self.num_slots, 8)
+
+  @property
+  def num_groups(self) -> int:
+    return self.max_groups or max(1, -(-2 * self.num_slots // self.group_size))
+
+
+@dataclasses.dataclass
+class PromptRequest:
+  """A new prompt sampled `n` times from its root."""
+  prompt_ids: Sequence[int]
+  n: int
+  meta: dict | None = None
+  prompt_text: str = ""
+
+
+@dataclasses.dataclass
+class ForkRequest:
+  """`k` new continuations of an existing tree from anchor node `node` (id or Node)."""
+  tree: Tree
+  node: int | Node
+  k: int
+
+
+class TurnRef(NamedTuple):
+  """The rollout id handed to the environment: the tree (its `meta` has the question) and the new
+  turn node (depth, parent, generated ids and text)."""
+  tree: Tree
+  node: Node
+
+
+# env_step([(TurnRef, generated_text)]) -> [(observation_text | None, done, reward)]
+EnvStep = Callable[[list], list]
+
+
+@dataclasses.dataclass
+class Ledger:
+  rollouts_started: int = 0
+  generated_tokens: int = 0
+  prefill_tokens: int = 0
+  tool_calls: int = 0
+  decode_steps: int = 0
+  busy_slot_steps: int = 0
+  total_slot_steps: int = 0
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+__all__ = ["DEFAULT_STOP_STRINGS", "EnvStep", "ForkRequest", "Ledger", "PromptRequest",
+           "SamplerConfig", "TurnRef"]
