@@ -52,7 +52,7 @@ def _base():
   c.env.reward = "em"       # em | f1 | em_format
   c.env.max_turns = 5
   c.env.max_turn_tokens = 24   # generated tokens per turn
-  c.env.max_obs_tokens = 64    # observation tokens (truncated)
+  c.env.max_obs_tokens = 72    # observation tokens (truncated)
   c.env.max_seq_len = 384      # whole trajectory
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
@@ -81,7 +81,7 @@ def _base():
   c.rollout.top_k = 0
   c.rollout.num_slots = 64
   c.rollout.page_size = 16
-  c.rollout.num_pages = 4096
+  c.rollout.num_pages = 8192       # KV pages (trees keep theirs until released)
   c.rollout.prefill_chunk = 64
   c.rollout.tree_attention = True
 
@@ -103,6 +103,7 @@ def _base():
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 5
   c.eval.size = 400
+  c.eval.probe_prompts = 32  # train prompts x 8 samples probing the warm start (prefix signal)
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every = 10
@@ -126,13 +127,14 @@ def get_config(arg: str | None = None):
     c.rollout.root_budget = 12
     c.rollout.prefix_budget = 6
     c.rollout.num_slots = 8
-    c.rollout.num_pages = 512
+    c.rollout.num_pages = 1024
     c.rl.steps = 2
     c.rl.micro_batches = 1
     c.rl.batch_pad = 8
     c.rl.predictor_warmup_steps = 0
     c.eval.every = 2
     c.eval.size = 8
+    c.eval.probe_prompts = 4
     c.ckpt.every = 1
   elif variant in ("qwen3_8b", "qwen3_14b"):
     c.model.preset = variant

@@ -32,6 +32,9 @@ from trace_jax.rollout.sampler_config import (DEFAULT_STOP_STRINGS, EnvStep, For
                                               PromptRequest, SamplerConfig, TurnRef)
 from trace_jax.rollout.tree import Node, Tree
 
+_COPY_BATCH = 64  # pages copied per copy_pages call
+
+
 class _Branch:
   """Host state of one active rollout: its page table, lengths, rng and current turn."""
 
@@ -201,13 +204,14 @@ class SamplerEngine:
     src, dst = [], []
     for slot, tree, node_id in starts:
       pages, kv_len = tree._kv[node_id]
-      full = kv_len // cfg.page_size
+      # Share the anchor's full pages (never written again); copy the partial last one. Without
+      # sharing (an ablation), every page is copied.
+      full = kv_len // cfg.page_size if cfg.share_prefix else 0
+      used = -(-kv_len // cfg.page_size)
       shared = list(pages[:full])
-      own = []
-      if kv_len % cfg.page_size:
-        own = self.alloc.alloc(1)  # may raise PoolExhaustedError (run() cleans up)
-        src.append(pages[full])
-        dst.append(own[0])
+      own = self.alloc.alloc(used - full)  # may raise PoolExhaustedError (run() cleans up)
+      src += pages[full:used]
+      dst += own
       self.alloc.incref(shared)
       node = tree.nodes[node_id]
       serial = tree.__dict__.setdefault("_nbranches", 0)
@@ -221,10 +225,10 @@ class SamplerEngine:
       self.slots[slot] = b
       self.starts.append((slot, tree.uid))
       self.ledger.rollouts_started += 1
-    if src:
-      pad = self.cfg.num_slots - len(src)
-      self.pool = copy_pages(self.pool, np.asarray(src + [NULL_PAGE] * pad, np.int32),
-                             np.asarray(dst + [NULL_PAGE] * pad, np.int32))
+    for j in range(0, len(src), _COPY_BATCH):  # fixed batch: one compilation
+      s, d = src[j:j + _COPY_BATCH], dst[j:j + _COPY_BATCH]
+      pad = [NULL_PAGE] * (_COPY_BATCH - len(s))
+      self.pool = copy_pages(self.pool, np.asarray(s + pad, np.int32), np.asarray(d + pad, np.int32))
 
   def _flush_prefill(self):
     """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets."""

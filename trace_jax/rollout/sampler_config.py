@@ -26,6 +26,7 @@ class SamplerConfig:
   top_k: int = 0                    # <= 0: off
   greedy: bool = False
   use_tree_attention: bool = True   # False: plain paged attention over each slot's full table
+  share_prefix: bool = True         # False (ablation): a fork copies all of the anchor's pages
   max_group_size: int = 0           # branches per attention group; 0: min(num_slots, 8)
   max_groups: int = 0               # group rows of the tree kernel; 0: 2 * num_slots / group size
   page_buckets: tuple = ()          # page-table width buckets; (): powers of two

@@ -1,0 +1,43 @@
+"""Trains an agent with TRACE (or a baseline) on multi-hop QA.
+
+  python launch/train.py --config=configs/mhqa.py                 # embedded synthetic world, CPU
+  python launch/train.py --config=configs/mhqa.py:smoke           # a few steps at toy size
+  python launch/train.py --config=configs/mhqa.py --config.method=grpo --workdir=runs/grpo
+  python launch/train.py --config=configs/mhqa.py:qwen3_14b --config.model.path=/ckpt/Qwen3-14B \
+      --config.data.train_path=/data/train.parquet --config.data.test_path=/data/test.parquet \
+      --config.retriever.url=http://127.0.0.1:8000
+"""
+
+import logging
+import os
+import sys
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "configs"))
+
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
+                                          "configs/mhqa.py[:variant]")
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: a new folder in runs/)")
+
+
+def main(argv):
+  del argv
+  import mhqa  # the config module, for validation of paths and budgets
+
+  from trace_jax.train import train
+
+  logging.getLogger("bm25s").setLevel(logging.WARNING)
+  absl_logging.set_verbosity(absl_logging.WARNING)  # checkpoint libraries log every save at INFO
+  c = _CONFIG.value
+  if _WORKDIR.value:
+    c.workdir = _WORKDIR.value
+  train(c, validate_fn=mhqa.validate)
+
+
+if __name__ == "__main__":
+  app.run(main)

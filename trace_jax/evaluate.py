@@ -1,0 +1,64 @@
+"""Greedy held-out evaluation through the sampler engine: EM and F1, overall, by hops, by source."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+
+import numpy as np
+
+from trace_jax.envs.react import parse_action
+from trace_jax.envs.scoring import exact_match, f1
+from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
+
+
+@contextlib.contextmanager
+def sampling_mode(engine: SamplerEngine, **overrides):
+  """Temporarily changes per-call sampling settings (greedy, temperature, ...) of an engine."""
+  old = engine.cfg
+  engine.cfg = dataclasses.replace(old, **overrides)
+  try:
+    yield engine
+  finally:
+    engine.cfg = old
+
+
+def final_answer(tree) -> str | None:
+  leaves = tree.leaves()
+  if not leaves:
+    return None
+  a = parse_action(leaves[0].text)
+  return a.content if a.kind == "answer" else None
+
+
+def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> dict:
+  """examples: dicts with prompt_ids, answers, and optional hops / source. Greedy, one rollout each.
+
+  Returns em, f1, n, em_by_hops, em_by_source, f1_by_source, mean_turns, generated_tokens.
+  """
+  ems, f1s, turns = [], [], []
+  by_hops, by_src, f1_src = (collections.defaultdict(list) for _ in range(3))
+  led0 = engine.ledger.generated_tokens
+  with sampling_mode(engine, greedy=True):
+    for i in range(0, len(examples), batch):
+      chunk = examples[i:i + batch]
+      trees = engine.run([PromptRequest(e["prompt_ids"], 1, meta=e) for e in chunk])
+      for e, t in zip(chunk, trees):
+        pred = final_answer(t)
+        em, f = exact_match(pred, e["answers"]), f1(pred, e["answers"])
+        ems.append(em)
+        f1s.append(f)
+        turns.append(max(n.depth for n in t.nodes))
+        if e.get("hops") is not None:
+          by_hops[int(e["hops"])].append(em)
+        src = e.get("source", "default")
+        by_src[src].append(em)
+        f1_src[src].append(f)
+      engine.release(trees)
+  mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
+  return dict(em=mean(ems), f1=mean(f1s), n=len(ems), mean_turns=mean(turns),
+              em_by_hops={h: mean(v) for h, v in sorted(by_hops.items())},
+              em_by_source={s: mean(v) for s, v in sorted(by_src.items())},
+              f1_by_source={s: mean(v) for s, v in sorted(f1_src.items())},
+              generated_tokens=engine.ledger.generated_tokens - led0)
