@@ -111,9 +111,15 @@ class RolloutDriver:
       key = jax.random.key(int(self.rng.integers(2**31)))
       return np.asarray(strategies.uniform_prefixes(valid, c.prefix_budget, key)), None
     if kind == "random":
+      # Each continuation goes to a uniformly random anchor (distinct anchors first), so the whole
+      # budget is spent even with fewer candidates than continuations.
       key = jax.random.key(int(self.rng.integers(2**31)))
-      return np.asarray(strategies.random_anchors(key, valid, min(c.prefix_budget, h),
-                                                  branches_per_anchor=1)), None
+      k = np.asarray(strategies.random_anchors(key, valid, min(c.prefix_budget, h),
+                                               branches_per_anchor=1))
+      extra = c.prefix_budget - int(k.sum())
+      if extra > 0:
+        np.add.at(k, self.rng.integers(h, size=extra), 1)
+      return k, None
     if kind == "entropy":
       ent = np.asarray([trees[ti].nodes[trees[ti].nodes[nid].children[0]].entropies[0]
                         if trees[ti].nodes[trees[ti].nodes[nid].children[0]].entropies else 0.0
@@ -121,7 +127,11 @@ class RolloutDriver:
       n_anchor = max(1, int(round(c.arpo_entropy_top * h)))
       per = max(1, c.prefix_budget // n_anchor)
       k = np.asarray(strategies.entropy_anchors(ent, valid, top_n=n_anchor,
-                                                branches_per_anchor=per))
+                                                branches_per_anchor=per)).copy()
+      # The remainder goes one each to the highest-entropy chosen anchors.
+      chosen = [i for i in np.argsort(-ent, kind="stable") if k[i] > 0]
+      for j in range(c.prefix_budget - int(k.sum())):
+        k[chosen[j % len(chosen)]] += 1
       return _trim_to_budget(k, c.prefix_budget), None
     outcomes = np.asarray([_outcome(trees[ti], nid) for ti, nid in cands], np.float32)
     if use_predictor:
@@ -200,9 +210,11 @@ class RolloutDriver:
     c = self.cfg
     total = c.root_budget + c.prefix_budget
     n_prompts = min(len(examples), max(1, int(round(c.dapo_oversample * len(examples)))))
-    group = max(2, total // n_prompts)
+    base, rem = divmod(total, n_prompts)
+    sizes = [base + (i < rem) for i in range(n_prompts)]  # the whole budget, nearly equal groups
     chosen = examples[:n_prompts]
-    trees = self.engine.run([PromptRequest(e["prompt_ids"], group, meta=e) for e in chosen])
+    trees = self.engine.run([PromptRequest(e["prompt_ids"], g, meta=e)
+                             for e, g in zip(chosen, sizes) if g > 0])
     for t in trees:
       t.backup()
     kept = [t for t in trees if t.mixed]
