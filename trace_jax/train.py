@@ -28,7 +28,7 @@ from trace_jax.parallel import initialize, make_mesh
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
-from trace_jax.rollout.driver import DriverConfig, RolloutDriver
+from trace_jax.rollout.driver import DriverConfig, RolloutDriver, dapo_prompts
 from trace_jax.rollout.env_bridge import make_env_step
 from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
 
@@ -186,9 +186,11 @@ def train(c, validate_fn=None) -> dict:
   order = rng.permutation(len(assets.train))
   bar = tqdm(range(start, c.rl.steps), desc=f"RL ({c.method})", initial=start, total=c.rl.steps)
   er_hist = list(meta.get("er_hist", []))
+  n_prompts = dapo_prompts(r.prompts_per_step, r.dapo_oversample) if c.method == "dapo" else \
+      r.prompts_per_step
   for step in bar:
     t0 = time.time()
-    idx = [order[(step * r.prompts_per_step + j) % len(order)] for j in range(r.prompts_per_step)]
+    idx = [order[(step * n_prompts + j) % len(order)] for j in range(n_prompts)]
     examples = [assets.train[i] for i in idx]
     use_pred = step >= c.rl.predictor_warmup_steps
     sample = driver.sample(examples, use_predictor=use_pred)

@@ -206,10 +206,11 @@ class RolloutDriver:
     return StepSample(trees=trees, all_trees=trees, predictions=predictions, info=info)
 
   def _sample_dapo(self, examples, ledger0) -> StepSample:
-    """Equal-budget DAPO: more prompts with smaller groups, uniform groups dropped (cost kept)."""
+    """Equal-budget DAPO: the caller passes oversampled prompts (`dapo_prompts`); the budget is
+    split over all of them in nearly equal groups and uniform groups are dropped (cost kept)."""
     c = self.cfg
     total = c.root_budget + c.prefix_budget
-    n_prompts = min(len(examples), max(1, int(round(c.dapo_oversample * len(examples)))))
+    n_prompts = min(len(examples), total // 2)
     base, rem = divmod(total, n_prompts)
     sizes = [base + (i < rem) for i in range(n_prompts)]  # the whole budget, nearly equal groups
     chosen = examples[:n_prompts]
@@ -225,6 +226,11 @@ class RolloutDriver:
                 dapo_dropped_rollouts=sum(len(t.leaves()) for t in trees if not t.mixed),
                 **{f"ledger_{a}": b for a, b in ledger.items()})
     return StepSample(trees=kept, all_trees=trees, predictions=[], info=info)
+
+
+def dapo_prompts(prompts_per_step: int, oversample: float) -> int:
+  """How many prompts DAPO samples per step to keep about `prompts_per_step` mixed groups."""
+  return max(prompts_per_step, int(round(prompts_per_step * oversample)))
 
 
 def _leaves_under(tree: Tree, node_id: int):
