@@ -1,0 +1,116 @@
+"""End to end: `launch/train.py --config=configs/mhqa.py:smoke` at the smallest size, then a resume.
+
+The run (about a minute of compilation and sampling on 2 cores) is made once per session by
+`smoke_run`; `tests/test_eval_launch.py` evaluates the same run's checkpoint.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_BUDGET, PREFIX_BUDGET = 4, 2
+SUMMARY_KEYS = ("accuracy_start", "accuracy_final", "effective_ratio", "generated_tokens",
+                "rollouts", "wall_seconds", "method", "seed")
+
+
+def launch(script, *args, timeout=600):
+  """Runs a launch script; returns the CompletedProcess (stdout and stderr joined)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], cwd=ROOT,
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        timeout=timeout)
+
+
+def smoke_args(base, steps):
+  """The smoke variant shrunk further: few traces and prompts, tiny budgets, small eval."""
+  return ["--config=configs/mhqa.py:smoke", f"--workdir={base}/run",
+          f"--config.world.cache_dir={base}/cache", f"--config.rl.steps={steps}",
+          "--config.sft.steps=3", "--config.sft.num_traces=64",
+          "--config.rollout.prompts_per_step=2", f"--config.rollout.root_budget={ROOT_BUDGET}",
+          f"--config.rollout.prefix_budget={PREFIX_BUDGET}", "--config.rollout.num_slots=4",
+          "--config.rollout.num_pages=256", "--config.eval.size=4",
+          "--config.eval.probe_prompts=2"]
+
+
+_RUNS = {}
+
+
+def smoke_run(base) -> dict:
+  """Trains 2 steps, then resumes to 3 in the same workdir (once per session). Returns paths,
+  outputs and both summaries."""
+  if "run" not in _RUNS:
+    t0 = time.time()
+    first = launch("train.py", *smoke_args(base, 2))
+    assert first.returncode == 0, first.stdout[-4000:]
+    summary2 = json.load(open(os.path.join(base, "run", "summary.json")))
+    t1 = time.time()
+    second = launch("train.py", *smoke_args(base, 3))
+    assert second.returncode == 0, second.stdout[-4000:]
+    _RUNS["run"] = dict(workdir=os.path.join(base, "run"), cache=os.path.join(base, "cache"),
+                        first=first.stdout, second=second.stdout, summary2=summary2,
+                        summary3=json.load(open(os.path.join(base, "run", "summary.json"))),
+                        seconds=(t1 - t0, time.time() - t1))
+  return _RUNS["run"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  return smoke_run(str(tmp_path_factory.mktemp("smoke")))
+
+
+@pytest.mark.slow
+def test_smoke_run_summary_and_outputs(run):
+  s = run["summary2"]
+  assert all(k in s for k in SUMMARY_KEYS), sorted(s)
+  assert s["method"] == "trace_tree" and s["seed"] == 0 and s["steps"] == 2
+  assert s["rollouts"] == 2 * (ROOT_BUDGET + PREFIX_BUDGET)
+  for k in ("accuracy_start", "accuracy_final", "effective_ratio"):
+    assert 0.0 <= s[k] <= 1.0, (k, s[k])
+  assert s["generated_tokens"] > 0 and s["wall_seconds"] > 0
+  w = run["workdir"]
+  for name in ("config.json", "metrics.jsonl", "training_curves.png"):
+    assert os.path.getsize(os.path.join(w, name)) > 0, name
+  assert all(os.path.exists(p) for p in s["plots"]) and s["plots"]
+  assert glob.glob(os.path.join(w, "tb", "events.out.tfevents.*"))
+  recs = [json.loads(line) for line in open(os.path.join(w, "metrics.jsonl"))]
+  steps = {r["step"] for r in recs}
+  assert {0, 1, 2, 3} <= steps  # eval before RL, two steps, and the resumed third
+  assert os.path.isdir(os.path.join(w, "checkpoints"))
+
+
+@pytest.mark.slow
+def test_smoke_run_resumes(run):
+  assert "resumed at step 2" in run["second"], run["second"][-3000:]
+  assert "resumed" not in run["first"]
+  s = run["summary3"]
+  assert s["steps"] == 3 and s["rollouts"] == 3 * (ROOT_BUDGET + PREFIX_BUDGET)
+  assert s["generated_tokens"] > run["summary2"]["generated_tokens"]
+  assert s["warm_start"].get("cached") is True  # the warm start is not trained again
+  recs = [json.loads(line) for line in open(os.path.join(run["workdir"], "metrics.jsonl"))]
+  rl_steps = [r["step"] for r in recs if "effective_ratio" in r]
+  assert rl_steps == [1, 2, 3]  # one more step, none repeated
+  assert s["evals"].keys() >= {"0", "2", "3"}
+
+
+def test_paper_variant_without_paths_fails_fast(tmp_path):
+  t0 = time.time()
+  p = launch("train.py", "--config=configs/mhqa.py:qwen3_14b", f"--workdir={tmp_path}/run",
+             timeout=120)
+  assert p.returncode != 0
+  assert "--config.model.path" in p.stdout, p.stdout[-2000:]
+  assert time.time() - t0 < 60  # nothing was built or compiled
+  assert not os.path.exists(os.path.join(tmp_path, "run"))
+
+
+def test_unknown_config_key_fails(tmp_path):
+  p = launch("train.py", "--config=configs/mhqa.py:smoke", f"--workdir={tmp_path}/run",
+             "--config.rl.no_such_key=3", timeout=120)
+  assert p.returncode != 0
+  assert "no_such_key" in p.stdout, p.stdout[-2000:]
+  assert not os.path.exists(os.path.join(tmp_path, "run"))
