@@ -57,6 +57,9 @@ def test_greedy_forks_match_plain_forward(model):
   assert stats["tokens"] > 200 and stats["features"] > 20
   # Every node has its prefix feature (leaves too, via the extra step).
   assert all(n.feature is not None for t in trees for n in t.nodes)
+  # Prompt features before sampling (stage-1 predictions) equal the recorded root features.
+  feats = engine.prompt_features(PROMPTS)
+  np.testing.assert_allclose(feats, np.stack([t.root.feature for t in trees]), atol=2e-4)
   led = engine.ledger
   assert led.generated_tokens == sum(len(n.gen_ids) for t in trees for n in t.nodes)
   assert led.rollouts_started == sum(len(t.nodes[0].children) for t in trees) + sum(
@@ -70,6 +73,11 @@ def test_tree_attention_equals_plain_paged_attention(model):
   a = two_stage(make_engine(model, use_tree_attention=True))
   b = two_stage(make_engine(model, use_tree_attention=False))
   assert leaf_sequences(a) == leaf_sequences(b)
+  # Without prefix sharing (every fork copies all pages): same tokens, more pages.
+  shared, copied = make_engine(model), make_engine(model, share_prefix=False)
+  c = two_stage(copied)
+  assert leaf_sequences(c) == leaf_sequences(two_stage(shared))
+  assert copied.alloc.num_free < shared.alloc.num_free
   # Sampled too: same per-branch keys, so the same tokens.
   a = make_engine(model, greedy=False, seed=3).run([PromptRequest(p, n=3) for p in PROMPTS])
   b = make_engine(model, greedy=False, seed=3, use_tree_attention=False).run(
@@ -137,6 +145,25 @@ def test_limits_are_recorded(model):
   reasons = {leaf.truncated for t in trees for leaf in t.leaves()}
   assert {"max_seq_len", "max_turns"} <= reasons
   check_against_forward(trees, *model, greedy=True)
+
+
+def test_checkpoint_rollback_drops_a_round_of_forks(model):
+  engine = make_engine(model, greedy=False, seed=5)
+  trees = engine.run([PromptRequest(PROMPTS[0], n=2)])
+  tree, free = trees[0], engine.alloc.num_free
+  mark = engine.checkpoint(tree)
+  anchors = [a.id for a in tree.anchors()]
+  engine.run([(tree, a, 2) for a in anchors])
+  first = leaf_sequences([tree])
+  assert engine.alloc.num_free < free and len(tree.nodes) > mark[0]
+  engine.rollback(tree, mark)
+  assert engine.alloc.num_free == free and len(tree.nodes) == mark[0]
+  assert all(c < mark[0] for n in tree.nodes for c in n.children)
+  tree._nbranches = 2  # replay the same branch keys: the same continuations come back
+  engine.run([(tree, a, 2) for a in anchors])
+  assert leaf_sequences([tree]) == first
+  engine.release()
+  assert engine.alloc.num_free == engine.alloc.capacity
 
 
 def test_fork_errors(model):

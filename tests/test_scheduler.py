@@ -46,20 +46,22 @@ def test_modes_sample_the_same_trees_and_affinity_holds(model):
   runs = {}
   for name, fn in [("w1", lambda e: run_task_affine(e, requests(), 1)),
                    ("w4", lambda e: run_task_affine(e, requests(), 4)),
-                   ("sync", lambda e: run_synchronous(e, requests()))]:
+                   ("sync", lambda e: run_synchronous(e, requests())),
+                   ("sync_refill", lambda e: run_synchronous(e, requests(), refill=True))]:
     engine = make_engine(model)
     trees, report = fn(engine)
     runs[name] = (engine, trees, report)
   # Per-branch rng keys make the samples independent of slot placement and timing.
-  assert leaf_sets(runs["w1"][1]) == leaf_sets(runs["w4"][1]) == leaf_sets(runs["sync"][1])
+  sets = [leaf_sets(r[1]) for r in runs.values()]
+  assert all(x == sets[0] for x in sets)
   engine, trees, report = runs["w4"]
   worker = {t.uid: t.worker for t in trees}
   assert sorted(set(worker.values())) == [0, 1, 2, 3]
   assert all(engine.slot_worker[slot] == worker[uid] for slot, uid in engine.starts)
   assert report.num_workers == 4 and len(report.worker_utilization) == 4
   # Synchronous turns idle the slots waiting for the slowest turn; continuous refill does not.
-  r1, rs = runs["w1"][2], runs["sync"][2]
-  assert rs.utilization < r1.utilization
+  r1, rs, rr = runs["w1"][2], runs["sync"][2], runs["sync_refill"][2]
+  assert rs.utilization < rr.utilization < r1.utilization
   assert rs.idle_slot_steps > r1.idle_slot_steps
   for _, _, r in runs.values():
     assert r.generated_tokens == r1.generated_tokens
@@ -91,3 +93,43 @@ def test_utilization_report_arithmetic(model):
   assert r.idle_slot_steps == 10
   assert r.tail_steps == 3  # steps 2..4 have fewer than half the slots busy
   assert r.worker_done_step == [3, 4]
+
+
+class CountingEnv:
+  """Stateful env: the state counts turns; the rollout ends at turn 3 with reward = turns seen."""
+
+  class State:
+    def __init__(self, golds):
+      self.golds, self.turn = golds, 0
+
+  class Result:
+    def __init__(self, obs, done, reward):
+      self.observation_text, self.done, self.reward, self.info = obs, done, reward, {}
+
+  def reset(self, golds, example_id=""):
+    return self.State(golds)
+
+  def step_batch(self, states, texts):
+    out = []
+    for s in states:
+      s.turn += 1
+      out.append(self.Result(None if s.turn >= 3 else "w9 w10 w11", s.turn >= 3, float(s.turn)))
+    return out
+
+
+def test_env_adapter_forks_env_state(model):
+  from trace_jax.rollout.env_adapter import TreeEnvAdapter
+  adapter = TreeEnvAdapter(CountingEnv())
+  cfg = SamplerConfig(num_slots=4, page_size=8, num_pages=512, max_seq_len=96, max_turn_tokens=4,
+                      max_obs_tokens=8, max_turns=6, prefill_chunk=(16,), page_buckets=(12,))
+  engine = SamplerEngine(model[0], model[1], cfg, TOK.encode, TOK.decode, adapter, eos_id=None,
+                         stop_strings=())
+  trees = engine.run([PromptRequest([3, 4, 5], n=2, meta={"golds": ["x"]})])
+  engine.run([(trees[0], a.id, 2) for a in trees[0].anchors() if a.depth == 1])
+  leaves = trees[0].leaves()
+  assert len(leaves) == 2 + 2 * 2
+  # A fork continues from its anchor's env state: the turn count runs on along the path.
+  assert all(leaf.depth == 3 and leaf.reward == 3.0 for leaf in leaves)
+  adapter.release(trees)
+  engine.release(trees)
+  assert not adapter.states and engine.alloc.num_free == engine.alloc.capacity

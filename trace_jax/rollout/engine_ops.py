@@ -145,4 +145,21 @@ def make_prefill_step(graphdef):
   return jax.jit(step, donate_argnums=(1,))
 
 
-__all__ = ["make_decode_step", "make_prefill_step", "sample_tokens"]
+@functools.lru_cache(maxsize=16)
+def make_feature_step(graphdef):
+  """Jitted plain forward returning the final hidden state at each row's last real token.
+
+  step(state, tokens i32[B, T] right padded, lens i32[B]) -> f32[B, D]. One compilation per (B, T).
+  """
+
+  def step(state, tokens, lens):
+    model = nnx.merge(graphdef, state)
+    mask = jnp.arange(tokens.shape[1])[None, :] < lens[:, None]
+    hidden = model.forward(tokens, attn_mask=mask)["hidden"]
+    last = jnp.maximum(lens - 1, 0)
+    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+
+  return jax.jit(step)
+
+
+__all__ = ["make_decode_step", "make_feature_step", "make_prefill_step", "sample_tokens"]

@@ -79,6 +79,7 @@ class SamplerEngine:
     self._decode = engine_ops.make_decode_step(model_graphdef, cfg.attention_impl,
                                                max(cfg.top_k, 0), cfg.top_p < 1.0)
     self._prefill = engine_ops.make_prefill_step(model_graphdef)
+    self._features = engine_ops.make_feature_step(model_graphdef)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
     self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
@@ -94,8 +95,28 @@ class SamplerEngine:
     self.state = params_state
 
   def compile_counts(self) -> dict:
-    return {"decode": self._decode._cache_size(), "prefill": self._prefill._cache_size(),
-            "copy": copy_pages._cache_size()}
+    """Compiled variants per jitted step (-1 where this jax version does not say)."""
+    fns = {"decode": self._decode, "prefill": self._prefill, "copy": copy_pages,
+           "features": self._features}
+    return {k: getattr(f, "_cache_size", lambda: -1)() for k, f in fns.items()}
+
+  def prompt_features(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
+    each prompt's last token (what the engine records as `tree.root.feature`). Batches of
+    `prefill_batch` rows, lengths padded to the page-table buckets (in tokens)."""
+    cfg = self.cfg
+    rows = cfg.prefill_batch
+    out = []
+    for i in range(0, len(prompts), rows):
+      chunk = [list(p) for p in prompts[i:i + rows]]
+      width = slot_tables.pick_bucket(-(-max(map(len, chunk)) // cfg.page_size), self.buckets)
+      tokens = np.zeros((rows, width * cfg.page_size), np.int32)
+      lens = np.zeros(rows, np.int32)
+      for r, p in enumerate(chunk):
+        tokens[r, :len(p)], lens[r] = p, len(p)
+      out.append(np.asarray(self._features(self.state, tokens, lens))[:len(chunk)])
+    d = self.model_cfg.hidden_size
+    return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
   def release(self, trees: Sequence[Tree] | None = None) -> None:
     """Drops every page reference held by `trees` (all live trees if None)."""
@@ -105,13 +126,32 @@ class SamplerEngine:
       tree._page_refs, tree._kv = [], {}
       self.live_trees.pop(tree.uid, None)
 
-  def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False) -> list[Tree]:
+  def checkpoint(self, tree: Tree) -> tuple[int, int]:
+    """A mark to `rollback` to: the tree's node count and page references now."""
+    return len(tree.nodes), len(tree._page_refs)
+
+  def rollback(self, tree: Tree, mark: tuple[int, int]) -> None:
+    """Discards the nodes and KV pages a tree gained after `checkpoint` (e.g. to drop a round of
+    continuations); the nodes from before stay forkable."""
+    n_nodes, n_refs = mark
+    for pages in tree._page_refs[n_refs:]:
+      self.alloc.decref(pages)
+    del tree._page_refs[n_refs:]
+    del tree.nodes[n_nodes:]
+    for n in tree.nodes:
+      n.children = [c for c in n.children if c < n_nodes]
+    for k in [k for k in tree._kv if k >= n_nodes]:
+      del tree._kv[k]
+
+  def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False,
+          sync_refill: bool = False) -> list[Tree]:
     """Samples every request to completion and returns the trees, in request order.
 
     requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
     slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
     are refilled only from its own trees (task affinity). sync_turns: every slot waits for the
-    slowest turn before the next one, and new branches start only when all slots are empty.
+    slowest turn before the next one, and new branches start only when all slots are empty (or,
+    with sync_refill, at every turn barrier).
     """
     s = self.cfg.num_slots
     if not 1 <= num_workers <= s:
@@ -120,7 +160,7 @@ class SamplerEngine:
     self._pending = {w: collections.deque() for w in range(num_workers)}
     trees = self._admit(requests, num_workers)
     try:
-      self._loop(sync_turns, num_workers)
+      self._loop(sync_turns, num_workers, sync_refill)
     finally:
       for i, b in enumerate(self.slots):
         if b is not None:  # only on error: hand the branch's pages to its tree for release
@@ -166,7 +206,7 @@ class SamplerEngine:
     return trees
 
   # ---- main loop ---------------------------------------------------------------------------------
-  def _loop(self, sync_turns, num_workers):
+  def _loop(self, sync_turns, num_workers, sync_refill=False):
     while True:
       if not sync_turns or all(b is None for b in self.slots):
         self._refill()
@@ -176,6 +216,8 @@ class SamplerEngine:
         waiting = [i for i, b in enumerate(self.slots) if b is not None]
         if waiting:  # synchronous barrier reached: every slot's turn has ended
           self._end_turns(waiting)
+          if sync_refill:  # new branches join at the barrier and start their first turn in step
+            self._refill()
           continue
         if any(self._pending.values()):
           raise RuntimeError("pending branches but no slot could start one")  # not reachable
@@ -228,7 +270,8 @@ class SamplerEngine:
     for j in range(0, len(src), _COPY_BATCH):  # fixed batch: one compilation
       s, d = src[j:j + _COPY_BATCH], dst[j:j + _COPY_BATCH]
       pad = [NULL_PAGE] * (_COPY_BATCH - len(s))
-      self.pool = copy_pages(self.pool, np.asarray(s + pad, np.int32), np.asarray(d + pad, np.int32))
+      self.pool = copy_pages(self.pool, np.asarray(s + pad, np.int32),
+                             np.asarray(d + pad, np.int32))
 
   def _flush_prefill(self):
     """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets."""

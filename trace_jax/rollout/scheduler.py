@@ -10,7 +10,8 @@ pages, and every later fork from them, local.
 
 Synchronous turns (the baseline): all branches of a batch take a turn, every slot waits for the
 slowest turn of the batch, the environment runs for all of them, and a new batch starts only when
-every trajectory of the previous one has finished.
+every trajectory of the previous one has finished (or, with refill, free slots take new branches
+at each turn barrier).
 
 Utilization is busy slot-steps / total slot-steps over the decode steps of a run.
 """
@@ -35,7 +36,7 @@ class UtilizationReport:
     shows the wait it would impose if it had to wait for the others).
   idle_slot_steps: slot-steps with no token generated (waiting at a barrier or without work).
   tail_steps: trailing decode steps in which fewer than half of the slots were busy (the long-tail
-    wait for the slowest rollouts).
+    wait for the slowest rollouts); utilization_before_tail: utilization over the steps before.
   worker_done_step: last step in which each worker had a busy slot.
   """
 
@@ -48,6 +49,7 @@ class UtilizationReport:
   worker_utilization: list[float]
   idle_slot_steps: int
   tail_steps: int
+  utilization_before_tail: float
   worker_done_step: list[int]
   generated_tokens: int
   wall_s: float = 0.0
@@ -74,14 +76,17 @@ def utilization_report(engine: SamplerEngine, start_step: int, mode: str, num_wo
       busy_slot_steps=int(busy.sum()), utilization=float(busy.sum() / total),
       worker_utilization=[float(log[:, w].sum() / max(1, steps * per_worker_slots[w]))
                           for w in range(num_workers)],
-      idle_slot_steps=int(steps * s - busy.sum()), tail_steps=tail, worker_done_step=done,
+      idle_slot_steps=int(steps * s - busy.sum()), tail_steps=tail,
+      utilization_before_tail=float(busy[:steps - tail].sum() / max(1, (steps - tail) * s)),
+      worker_done_step=done,
       generated_tokens=generated_tokens, wall_s=wall_s)
 
 
-def _run(engine, requests, mode, num_workers, sync_turns):
+def _run(engine, requests, mode, num_workers, sync_turns, sync_refill=False):
   start, tokens0 = len(engine.step_log), engine.ledger.generated_tokens
   t0 = time.perf_counter()
-  trees = engine.run(requests, num_workers=num_workers, sync_turns=sync_turns)
+  trees = engine.run(requests, num_workers=num_workers, sync_turns=sync_turns,
+                     sync_refill=sync_refill)
   wall = time.perf_counter() - t0
   return trees, utilization_report(engine, start, mode, num_workers,
                                    engine.ledger.generated_tokens - tokens0, wall)
@@ -93,9 +98,13 @@ def run_task_affine(engine: SamplerEngine, requests, num_workers: int = 1
   return _run(engine, requests, f"task_affine_w{num_workers}", num_workers, sync_turns=False)
 
 
-def run_synchronous(engine: SamplerEngine, requests) -> tuple[list[Tree], UtilizationReport]:
-  """Synchronous turns: every slot waits for the slowest turn; batches start together."""
-  return _run(engine, requests, "synchronous", 1, sync_turns=True)
+def run_synchronous(engine: SamplerEngine, requests, refill: bool = False
+                    ) -> tuple[list[Tree], UtilizationReport]:
+  """Synchronous turns: every slot waits for the slowest turn. Without `refill` a new batch of
+  branches starts only when the previous one has finished; with it, free slots are refilled at
+  each turn barrier (the new branches then move in step with the others)."""
+  return _run(engine, requests, "synchronous_refill" if refill else "synchronous", 1,
+              sync_turns=True, sync_refill=refill)
 
 
 __all__ = ["UtilizationReport", "run_synchronous", "run_task_affine", "utilization_report"]

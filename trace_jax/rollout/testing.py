@@ -59,13 +59,13 @@ class LongTailEnv:
   lengths come from the engine's `turn_limit_fn` (see the scheduler tests and the benchmark)."""
 
   def __init__(self, vocab: int, seed: int = 0, mean_turns: float = 1.5, max_turns: int = 8,
-               obs_words: int = 4):
+               obs_words: int = 4, shape: float = 1.5):
     self.vocab, self.seed, self.mean_turns, self.max_turns = vocab, seed, mean_turns, max_turns
-    self.obs_words = obs_words
+    self.obs_words, self.shape = obs_words, shape
 
   def num_turns(self, tree_uid: int, rollout: int) -> int:
     rng = np.random.default_rng([self.seed, tree_uid, rollout])
-    return int(min(self.max_turns, 1 + rng.pareto(1.5) * self.mean_turns))
+    return int(min(self.max_turns, 1 + rng.pareto(self.shape) * self.mean_turns))
 
   def __call__(self, calls):
     out = []
