@@ -35,6 +35,7 @@ def test_mesh_2x2x2_forward_loss_grad_equal_single_device():
   assert res["max_grad_diff"] < 1e-5
   assert abs(res["gnorm_1"] - res["gnorm_8"]) < 1e-4 * res["gnorm_1"]
   assert any("tensor" in s or "fsdp" in s for s in res["specs"])  # really sharded
+  assert res["load_sharded_ok"] and res["load_max_diff"] == 0.0  # HF import placed on the mesh
 
 
 def _free_port():

@@ -57,9 +57,24 @@ def main():
     max_grad_diff = max(float(jnp.abs(jnp.asarray(a) - jnp.asarray(b)).max())
                         for a, b in zip(jax.tree.leaves(gr1), jax.tree.leaves(gr8)))
     sharded = [str(x.sharding.spec) for x in jax.tree.leaves(gr8)][:4]
+    # HF export, then import straight into the mesh: every tensor lands in its logical sharding.
+    import tempfile
+    from trace_jax.models.qwen3 import from_pretrained, save_pretrained
+    from trace_jax.parallel import state_shardings
+    model = Qwen3(get_preset("tiny", vocab_size=96, num_layers=2), rngs=nnx.Rngs(0))
+    path = tempfile.mkdtemp()
+    save_pretrained(model, path)
+    loaded = from_pretrained(path, mesh=mesh)
+    want = jax.tree.leaves(state_shardings(nnx.state(loaded), mesh))
+    got = [x.sharding for x in jax.tree.leaves(nnx.state(loaded))]
+    load_ok = all(a.is_equivalent_to(b, x.ndim) for a, b, x in
+                  zip(want, got, jax.tree.leaves(nnx.state(loaded))))
+    load_diff = max(float(jnp.abs(a - b).max()) for a, b in
+                    zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded))))
     print(json.dumps(dict(loss_1=l1, loss_8=l8, gnorm_1=g1, gnorm_8=g8,
                           max_logit_diff=float(np.abs(lg1 - lg8).max()),
-                          max_grad_diff=max_grad_diff, specs=sharded)))
+                          max_grad_diff=max_grad_diff, specs=sharded, load_sharded_ok=load_ok,
+                          load_max_diff=load_diff)))
   else:
     initialize(a.coordinator, a.num_processes, a.process_id)
     mesh = make_mesh("data:-1,fsdp:1,tensor:1")
