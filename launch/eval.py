@@ -1,0 +1,319 @@
+"""Greedy evaluation of a checkpoint: EM and F1 per source and averaged, written as JSON.
+
+  # a training run (its config.json and latest Orbax checkpoint; --step picks another)
+  python launch/eval.py --workdir=runs/smoke --out=runs/smoke/eval.json
+  # the same run on a local dataset file of any supported format (trace_jax.data.load_qa)
+  python launch/eval.py --workdir=runs/smoke --data=/data/test.jsonl --format=flashrag
+  # a HF Qwen3 checkpoint (with its tokenizer) against a BM25 index or a retrieval server
+  python launch/eval.py --model_path=/ckpt/Qwen3-8B --data=/data/hotpotqa_dev.parquet \
+      --retriever=http:http://127.0.0.1:8000
+  python launch/eval.py --model_path=/ckpt/Qwen3-8B --data=/data/nq.jsonl \
+      --retriever=bm25:/data/wiki_bm25
+
+Data default: the synthetic world's test split. Retriever: `world` (BM25 over the synthetic world's
+passages), `bm25:PATH` (a saved index directory or a Search-R1 jsonl corpus) or `http:URL` (a
+Search-R1 compatible /retrieve server). The JSON holds em/f1/n overall, per source (`per_source`),
+their unweighted mean over sources (`macro`), EM by hops when the data has hops, and where the
+checkpoint, data and retriever came from.
+"""
+
+import json
+import os
+import sys
+import time
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "configs"))
+
+from absl import app, flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (config.json + "
+                               "checkpoints/)")
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step of --workdir (default: the latest)")
+_MODEL_PATH = flags.DEFINE_string("model_path", None, "HF Qwen3 checkpoint directory (config.json "
+                                  "+ safetensors + tokenizer), instead of --workdir")
+_TOKENIZER_PATH = flags.DEFINE_string("tokenizer_path", None, "tokenizer directory for "
+                                      "--model_path (default: --model_path)")
+_DATA = flags.DEFINE_list("data", None, "QA files (.jsonl/.json/.parquet/.csv), comma-separated; "
+                          "default: the synthetic world's test split")
+_FORMAT = flags.DEFINE_enum("format", None, ["searchr1", "flashrag", "hotpotqa", "2wiki",
+                                             "musique", "bamboogle"], "format of --data "
+                            "(default: detected)")
+_SOURCE = flags.DEFINE_string("source", None, "source name of every example of --data (default: "
+                              "each Search-R1 row's data_source, else the file's name)")
+_RETRIEVER = flags.DEFINE_string("retriever", "world", "world | bm25:PATH | http:URL")
+_OUT = flags.DEFINE_string("out", None, "output JSON (default: <workdir>/eval.json or eval.json)")
+_LIMIT = flags.DEFINE_integer("limit", 0, "evaluate the first N examples of each file only (0: "
+                              "all)")
+_WORLD_CACHE = flags.DEFINE_string("world_cache_dir", None, "synthetic world cache (default: the "
+                                   "run's world.cache_dir, else 'cache')")
+_DTYPE = flags.DEFINE_string("dtype", None, "compute dtype for --model_path (default: the "
+                             "config's)")
+_REWARD = flags.DEFINE_string("reward", None, "environment reward (em | f1 | em_format); "
+                              "default: the config's")
+_TOPK = flags.DEFINE_integer("topk", None, "passages per search (default: the config's)")
+_MAX_TURNS = flags.DEFINE_integer("max_turns", None, "turns per rollout (default: the config's)")
+_MAX_TURN_TOKENS = flags.DEFINE_integer("max_turn_tokens", None, "tokens per turn")
+_MAX_OBS_TOKENS = flags.DEFINE_integer("max_obs_tokens", None, "observation tokens per turn")
+_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "tokens per trajectory")
+_NUM_SLOTS = flags.DEFINE_integer("num_slots", None, "concurrent rollouts of the sampler")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", None, "KV pages of the sampler")
+_BATCH = flags.DEFINE_integer("batch", 256, "prompts per sampler call")
+
+
+def _fail(msg: str):
+  raise SystemExit(f"error: {msg}")
+
+
+def _run_config(workdir: str):
+  """The ConfigDict a run was trained with (its config.json)."""
+  import ml_collections
+
+  if not os.path.isdir(workdir):
+    _fail(f"--workdir={workdir!r} does not exist")
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    _fail(f"{path} not found: --workdir must be a training run directory (launch/train.py "
+          f"writes config.json there)")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def _hf_config(model_path: str):
+  """Evaluation settings for a HF checkpoint: the paper-scale config, pointed at the checkpoint."""
+  import mhqa  # the config module (configs/ is on sys.path)
+
+  if not os.path.isdir(model_path):
+    _fail(f"--model_path={model_path!r} does not exist")
+  if not os.path.exists(os.path.join(model_path, "config.json")):
+    _fail(f"{model_path} has no config.json: --model_path must be a HF checkpoint directory")
+  c = mhqa.get_config("qwen3_8b")
+  c.model.path = model_path
+  c.model.tokenizer_path = _TOKENIZER_PATH.value or model_path
+  c.retriever.kind = "world"
+  return c
+
+
+def _apply_overrides(c):
+  """Command-line settings win over the run's config."""
+  pairs = [(_DTYPE, ("model", "dtype")), (_REWARD, ("env", "reward")), (_TOPK, ("retriever", "topk")),
+           (_MAX_TURNS, ("env", "max_turns")), (_MAX_TURN_TOKENS, ("env", "max_turn_tokens")),
+           (_MAX_OBS_TOKENS, ("env", "max_obs_tokens")), (_MAX_SEQ_LEN, ("env", "max_seq_len")),
+           (_NUM_SLOTS, ("rollout", "num_slots")), (_NUM_PAGES, ("rollout", "num_pages"))]
+  for flag, (group, key) in pairs:
+    if flag.value is not None:
+      c[group][key] = flag.value
+  if _DTYPE.value is not None:
+    c.model.param_dtype = _DTYPE.value
+  if _WORLD_CACHE.value is not None:
+    c.world.cache_dir = _WORLD_CACHE.value
+
+
+def _check_retriever(spec: str) -> tuple[str, str]:
+  """world | bm25:PATH | http:URL -> (kind, argument), failing early on a bad spec or path."""
+  kind, _, arg = spec.partition(":")
+  if not ((kind == "world" and not arg) or (kind in ("bm25", "http") and arg)):
+    _fail(f"--retriever={spec!r}; expected world, bm25:PATH or http:URL")
+  if kind == "bm25" and not os.path.exists(arg):
+    _fail(f"--retriever={spec}: no such index directory or corpus file")
+  return kind, arg
+
+
+def _make_retriever(spec: str, world_fn):
+  kind, arg = _check_retriever(spec)
+  if kind == "world":
+    return world_fn().retriever()
+  if kind == "bm25":
+    from trace_jax.envs.retrieval import BM25Retriever
+    return BM25Retriever.load(arg) if os.path.isdir(arg) else BM25Retriever.from_jsonl(arg)
+  from trace_jax.envs.http_retriever import HTTPRetriever
+  return HTTPRetriever(arg)
+
+
+def _checkpoint_step(workdir, step):
+  """The checkpoint step to restore (the latest unless given), failing early when absent."""
+  from trace_jax.checkpoint import Checkpointer
+
+  cdir = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(cdir):
+    _fail(f"{cdir} not found: the run saved no checkpoint yet (see ckpt.every)")
+  ckpt = Checkpointer(cdir, max_to_keep=10**6)  # a reader must never delete old steps
+  steps = sorted(ckpt.all_steps())
+  ckpt.close()
+  if not steps:
+    _fail(f"no checkpoint under {cdir}")
+  if step is not None and step not in steps:
+    _fail(f"--step={step} not in {cdir}; saved steps: {steps}")
+  return steps[-1] if step is None else step
+
+
+def _restore_params(c, workdir, step, graphdef, params):
+  """The policy parameters of a run's checkpoint (the train state's `params` entry)."""
+  from flax import nnx
+
+  from trace_jax.checkpoint import Checkpointer
+  from trace_jax.models.predictor import PredictorHead
+  from trace_jax.rl.update import UpdateConfig, init_train_state
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=10**6)
+  head = PredictorHead(nnx.merge(graphdef, params).cfg.hidden_size, c.model.predictor_hidden,
+                       rngs=nnx.Rngs(0))
+  ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
+                      eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
+                      entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
+                      micro_batches=c.rl.micro_batches)
+  # The target gives the saved state's structure (optimizer states included); only params are used.
+  target = init_train_state(params, nnx.split(head)[1], ucfg)
+  state, meta = ckpt.restore(target, step)
+  ckpt.close()
+  return state["params"], int(meta.get("step", step))
+
+
+def _examples_from_file(path, fmt, source, encode, bos_id, prompt_fn):
+  """Examples of one QA file; without --source a file's examples are named after the file (e.g.
+  hotpotqa.jsonl -> hotpotqa), except Search-R1 rows, which name their own data_source."""
+  from trace_jax.assets import _example
+  from trace_jax.data import QAFormatError, load_qa
+
+  try:
+    exs, stats = load_qa(path, format=fmt, source=source, return_stats=True)
+  except QAFormatError as e:
+    _fail(str(e))
+  stem = os.path.splitext(os.path.basename(path))[0]
+  src = lambda e: e.source if source or stats.format == "searchr1" else stem  # noqa: E731
+  out = [_example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question),
+                  hops=e.meta.get("hops") if isinstance(e.meta, dict) else None,
+                  source=src(e), meta=e.meta) for e in exs]
+  return out, dict(path=os.path.abspath(path), format=stats.format, records=stats.records,
+                   kept=stats.kept, skipped=stats.skipped)
+
+
+def summarize(res: dict, examples: list) -> dict:
+  """EM/F1 overall, per source with counts, and their unweighted mean over sources."""
+  counts = {}
+  for e in examples:
+    s = e.get("source", "default")
+    counts[s] = counts.get(s, 0) + 1
+  per_source = {s: dict(em=res["em_by_source"][s], f1=res["f1_by_source"][s], n=counts[s])
+                for s in res["em_by_source"]}
+  mean = lambda v: float(sum(v) / len(v)) if v else float("nan")  # noqa: E731
+  return dict(em=res["em"], f1=res["f1"], n=res["n"], per_source=per_source,
+              macro=dict(em=mean([v["em"] for v in per_source.values()]),
+                         f1=mean([v["f1"] for v in per_source.values()])),
+              em_by_hops={str(h): v for h, v in res["em_by_hops"].items()},
+              mean_turns=res["mean_turns"], generated_tokens=int(res["generated_tokens"]))
+
+
+def main(argv):
+  del argv
+  t0 = time.time()
+  if bool(_WORKDIR.value) == bool(_MODEL_PATH.value):
+    _fail("give exactly one of --workdir (a training run) or --model_path (a HF checkpoint)")
+  for p in _DATA.value or []:
+    if not os.path.exists(p):
+      _fail(f"--data: {p!r} does not exist")
+  _check_retriever(_RETRIEVER.value)
+  c = _run_config(_WORKDIR.value) if _WORKDIR.value else _hf_config(_MODEL_PATH.value)
+  _apply_overrides(c)
+  step = _checkpoint_step(_WORKDIR.value, _STEP.value) if _WORKDIR.value else None
+
+  import logging
+
+  import numpy as np
+  from flax import nnx
+
+  from trace_jax import assets as assets_lib
+  from trace_jax.envs import prompts
+  from trace_jax.envs.env import MultiHopEnv
+  from trace_jax.evaluate import evaluate
+  from trace_jax.rollout.env_bridge import make_env_step
+  from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
+
+  logging.getLogger("bm25s").setLevel(logging.WARNING)
+  world_box = {}
+
+  def world():  # built (or read from its cache) only when the data or retriever needs it
+    if "w" not in world_box:
+      world_box["w"] = assets_lib.load_world_assets(c)
+    return world_box["w"].world
+
+  # ---- tokenizer and model ----------------------------------------------------------------------
+  if _WORKDIR.value:
+    synthetic = not c.variant.startswith("qwen3")
+    if synthetic:
+      wa = world_box["w"] = assets_lib.load_world_assets(c)
+      encode, decode, bos_id, eos_id, vocab = wa.encode, wa.decode, wa.bos_id, wa.eos_id, \
+          wa.vocab_size
+    model = assets_lib.build_model(c, vocab if synthetic else 0)
+  else:
+    synthetic = False
+    model = assets_lib.build_model(c, 0)
+  if not synthetic:
+    from transformers import AutoTokenizer
+    tdir = c.model.tokenizer_path or c.model.path
+    try:
+      tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
+    except (OSError, ValueError) as e:
+      _fail(f"cannot load a tokenizer from {tdir!r} (set --tokenizer_path): {e}")
+    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tok.decode(list(ids))  # noqa: E731
+    bos_id, eos_id = None, tok.eos_token_id
+  graphdef, params = nnx.split(model)
+  ckpt_info = {}
+  if _WORKDIR.value:
+    params, step = _restore_params(c, _WORKDIR.value, step, graphdef, params)
+    ckpt_info = dict(workdir=os.path.abspath(_WORKDIR.value), step=step)
+  else:
+    ckpt_info = dict(model_path=os.path.abspath(_MODEL_PATH.value))
+
+  # ---- data and retriever -----------------------------------------------------------------------
+  prompt_fn = prompts.synthetic_prompt if synthetic else \
+      (lambda q: prompts.build_search_r1_prompt(q, tok))
+  if _DATA.value:
+    examples, data_info = [], []
+    for p in _DATA.value:
+      exs, info = _examples_from_file(p, _FORMAT.value, _SOURCE.value, encode, bos_id, prompt_fn)
+      examples += exs[:_LIMIT.value or None]
+      data_info.append(info)
+  else:
+    w = world()
+    examples = [assets_lib._example(encode, bos_id, e.id, e.question, e.answers,
+                                    prompt_fn(e.question), hops=e.hops, meta=e.meta)
+                for e in w.test]
+    data_info = [dict(path=None, format="synthetic_world_test", kept=len(examples))]
+    examples = examples[:_LIMIT.value or None]
+  if not examples:
+    _fail("no examples to evaluate")
+  retriever, retr_desc = _make_retriever(_RETRIEVER.value, world), _RETRIEVER.value
+
+  # ---- sampler and evaluation -------------------------------------------------------------------
+  env = MultiHopEnv(retriever, c.env.reward, max_turns=c.env.max_turns, topk=c.retriever.topk)
+  r = c.rollout
+  longest = max(len(e["prompt_ids"]) for e in examples)
+  if longest >= c.env.max_seq_len:
+    _fail(f"a prompt has {longest} tokens, not below max_seq_len={c.env.max_seq_len} "
+          f"(raise --max_seq_len)")
+  scfg = SamplerConfig(num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
+                       max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
+                       max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
+                       prefill_chunk=(32, r.prefill_chunk), use_tree_attention=r.tree_attention,
+                       seed=c.seed)
+  engine = SamplerEngine(graphdef, params, scfg, encode, decode, make_env_step(env), eos_id)
+  res = evaluate(engine, examples, batch=_BATCH.value)
+  out = dict(summarize(res, examples), checkpoint=ckpt_info, data=data_info,
+             retriever=retr_desc, reward=c.env.reward, max_turns=c.env.max_turns,
+             seconds=time.time() - t0)
+  path = _OUT.value or (os.path.join(_WORKDIR.value, "eval.json") if _WORKDIR.value else
+                        "eval.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1, default=lambda x: float(x) if isinstance(x, np.floating) else str(x))
+  per = "  ".join(f"{s}: EM {v['em']:.3f} F1 {v['f1']:.3f} (n={v['n']})"
+                  for s, v in out["per_source"].items())
+  print(f"EM {out['em']:.3f} F1 {out['f1']:.3f} over {out['n']} examples; {per}\nwrote {path}",
+        flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
