@@ -97,7 +97,7 @@ def _base():
   c.rl.entropy_coef = 0.0
   c.rl.max_grad_norm = 1.0
   c.rl.micro_batches = 4
-  c.rl.batch_pad = 32          # training sequences are padded to a multiple of this count
+  c.rl.train_rows = 80         # packed rows of env.max_seq_len tokens per update (fixed shape)
   c.rl.predictor_warmup_steps = 2  # steps before p̂ drives allocation (uniform before)
 
   c.eval = ml_collections.ConfigDict()
@@ -130,7 +130,7 @@ def get_config(arg: str | None = None):
     c.rollout.num_pages = 1024
     c.rl.steps = 2
     c.rl.micro_batches = 1
-    c.rl.batch_pad = 8
+    c.rl.train_rows = 12
     c.rl.predictor_warmup_steps = 0
     c.eval.every = 2
     c.eval.size = 8
@@ -158,6 +158,7 @@ def get_config(arg: str | None = None):
     c.rl.lr = 1e-6
     c.rl.steps = 200
     c.rl.micro_batches = 32
+    c.rl.train_rows = 512
     c.rl.kl_coef = 0.001
     c.eval.every = 20
     c.mesh = "data:-1,fsdp:1,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:1,tensor:4"

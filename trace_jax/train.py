@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -24,7 +25,7 @@ from trace_jax.envs.env import MultiHopEnv
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
-from trace_jax.parallel import initialize, make_mesh
+from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
@@ -137,6 +138,9 @@ def train(c, validate_fn=None) -> dict:
                       eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
                       entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
                       micro_batches=c.rl.micro_batches, temperature=1.0)
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  if mesh.size > 1:  # parameters born in their logical sharding; optimizer states follow them
+    params = shard_state(params, mesh)
   state = init_train_state(params, pred_params, ucfg)
   update = jit_update_step(graphdef, pred_graphdef, ucfg)
   ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
@@ -213,7 +217,9 @@ def train(c, validate_fn=None) -> dict:
                rollouts_total=totals["rollouts"])
     if seqs:
       batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
-                                row_multiple=c.rl.micro_batches * 2)
+                                num_rows=_bucket(c.rl.train_rows, math.lcm(c.rl.micro_batches, dp)))
+      if mesh.size > 1:
+        batch = shard_batch(batch, mesh)
       if ref_params is not None:
         batch["ref_logp"] = _ref_logprobs(graphdef, ref_params, batch)
       t1 = time.time()

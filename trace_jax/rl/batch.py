@@ -8,8 +8,10 @@ long one's padding. The row count is rounded up to `row_multiple` so only a few 
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,14 +26,25 @@ ADVANTAGES = {
 }
 
 
-def node_advantages(flat: dict, kind: str, max_depth: int, normalize: bool = True) -> np.ndarray:
-  """Per-node advantages f32[N] of the flat trees with the named estimator."""
+@functools.lru_cache(maxsize=None)
+def _jitted(kind: str, max_depth: int, normalize: bool):
+  kw = {"normalize": normalize} if kind != "treerl" else {}
+  return jax.jit(lambda p, l, r, t, v: ADVANTAGES[kind](p, l, r, t, v, max_depth, **kw))
+
+
+def node_advantages(flat: dict, kind: str, max_depth: int, normalize: bool = True,
+                    bucket: int = 256) -> np.ndarray:
+  """Per-node advantages f32[N] of the flat trees with the named estimator.
+
+  The node arrays are padded to a multiple of `bucket` (invalid nodes) so the jitted estimator
+  compiles once per bucket, not once per step."""
   if kind not in ADVANTAGES:
     raise ValueError(f"unknown advantage {kind!r}; choose one of {sorted(ADVANTAGES)}")
-  kw = {"normalize": normalize} if kind != "treerl" else {}
-  a = ADVANTAGES[kind](flat["parent"], flat["is_leaf"], flat["reward"], flat["tree"],
-                       flat["valid"], max_depth, **kw)
-  return np.asarray(a)
+  n = len(flat["parent"])
+  pad = -(-max(n, 1) // bucket) * bucket - n
+  args = [np.concatenate([flat[k], np.full(pad, fill, flat[k].dtype)]) for k, fill in
+          (("parent", -1), ("is_leaf", False), ("reward", 0.0), ("tree", 0), ("valid", False))]
+  return np.asarray(_jitted(kind, max_depth, normalize)(*args))[:n]
 
 
 def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize: bool = True):
@@ -71,10 +84,12 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
 
 
 def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple: int = 8,
-               min_rows: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+               min_rows: int = 0, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
   """First-fit packing (longest first) into [R, row_len] rows; see trace_jax.rl.update's layout.
 
   Sequences longer than `row_len` are cut (their cut tokens untrained); counted in the info.
+  With `num_rows`, R is fixed (one compiled update shape for the whole run); sequences that do not
+  fit are left out and counted in `dropped_sequences` (size num_rows so that this stays rare).
   """
   order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["tokens"]))
   rows, fill, npred = [], [], []
@@ -95,7 +110,13 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       rows.append([i])
       fill.append(L)
       npred.append(P)
-  n_rows = max(-(-max(len(rows), 1) // row_multiple) * row_multiple, min_rows)
+  dropped = 0
+  if num_rows is not None:
+    dropped = sum(len(r) for r in rows[num_rows:])
+    rows, fill = rows[:num_rows], fill[:num_rows]
+    n_rows = num_rows
+  else:
+    n_rows = max(-(-max(len(rows), 1) // row_multiple) * row_multiple, min_rows)
   z = lambda dt: np.zeros((n_rows, row_len), dt)  # noqa: E731
   b = dict(tokens=z(np.int32), segment_ids=z(np.int32), positions=z(np.int32),
            mask=z(np.float32), adv=z(np.float32), old_logp=z(np.float32), ref_logp=z(np.float32),
@@ -122,6 +143,7 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       at += L
       ap += P
   info = dict(rows=len(rows), padded_rows=n_rows, sequences=len(seqs), cut_sequences=cut,
+              dropped_sequences=dropped,
               fill=float(sum(fill)) / (n_rows * row_len),
               trained_tokens=float(b["mask"].sum()))
   return b, info

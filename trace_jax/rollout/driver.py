@@ -10,6 +10,7 @@ from an anchor counts as one rollout); the engine's ledger counts generated and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -72,8 +73,8 @@ class RolloutDriver:
                         1e-4, 1 - 1e-4)
       else:
         p_hat = np.full(p, 0.5, np.float32)
-      m = allocation.allocate_roots(p_hat, c.root_budget, c.min_per_prompt,
-                                    max(c.max_per_prompt, -(-c.root_budget // p)))
+      m = _alloc_roots(c.root_budget, c.min_per_prompt,
+                       max(c.max_per_prompt, -(-c.root_budget // p)))(np.asarray(p_hat, np.float32))
       return np.asarray(m), p_hat
     budget = c.root_budget if kind == "uniform" and c.method != "grpo" else \
         c.root_budget + c.prefix_budget
@@ -149,16 +150,20 @@ class RolloutDriver:
     budget = c.prefix_budget
     if c.budget_unit == "tokens":  # the same number of rollouts, priced at their expected tokens
       budget = float(c.prefix_budget * np.mean(costs))
+    # Pad candidates (and trees) to buckets so the jitted allocators compile once per bucket.
+    hp = -(-h // 64) * 64
+    padf = lambda x, v: np.concatenate([x, np.full(hp - h, v, x.dtype)])  # noqa: E731
+    args = (padf(p_hat, 0.5), padf(outcomes, 0.0), padf(costs, 1.0))
     if kind == "predicted":
-      k = allocation.allocate_prefixes(p_hat, outcomes, costs, budget, valid, c.max_per_anchor,
-                                       budget_unit=c.budget_unit)
+      k = _alloc_prefixes(c.max_per_anchor, c.budget_unit)(*args, budget, padf(valid, False))
     else:
       tree_ids = np.asarray([ti for ti, _ in cands], np.int32)
-      mixed = np.asarray([t.mixed for t in trees], bool)
-      k = allocation.allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree_ids, mixed, budget,
-                                                  valid, c.max_per_anchor, c.tree_lambda,
-                                                  budget_unit=c.budget_unit)
-    return np.asarray(k), p_hat
+      tp = -(-len(trees) // 16) * 16
+      mixed = np.zeros(tp, bool)
+      mixed[:len(trees)] = [t.mixed for t in trees]
+      k = _alloc_tree_aware(c.max_per_anchor, c.budget_unit, c.tree_lambda)(
+          *args, padf(tree_ids, 0), mixed, budget, padf(valid, False))
+    return np.asarray(k)[:h], p_hat
 
   # ---- one step ----------------------------------------------------------------------------------
   def sample(self, examples: list[dict], use_predictor: bool = True) -> StepSample:
@@ -226,6 +231,23 @@ class RolloutDriver:
                 dapo_dropped_rollouts=sum(len(t.leaves()) for t in trees if not t.mixed),
                 **{f"ledger_{a}": b for a, b in ledger.items()})
     return StepSample(trees=kept, all_trees=trees, predictions=[], info=info)
+
+
+@functools.lru_cache(maxsize=None)
+def _alloc_roots(budget, min_per_prompt, max_per_prompt):
+  return jax.jit(lambda p: allocation.allocate_roots(p, budget, min_per_prompt, max_per_prompt))
+
+
+@functools.lru_cache(maxsize=None)
+def _alloc_prefixes(max_per_anchor, budget_unit):
+  return jax.jit(lambda p, o, c, b, v: allocation.allocate_prefixes(
+      p, o, c, b, v, max_per_anchor, budget_unit=budget_unit))
+
+
+@functools.lru_cache(maxsize=None)
+def _alloc_tree_aware(max_per_anchor, budget_unit, lam):
+  return jax.jit(lambda p, o, c, t, m, b, v: allocation.allocate_prefixes_tree_aware(
+      p, o, c, t, m, b, v, max_per_anchor, lam, budget_unit=budget_unit))
 
 
 def dapo_prompts(prompts_per_step: int, oversample: float) -> int:
