@@ -56,10 +56,10 @@ def _base():
   c.env.max_seq_len = 384      # whole trajectory
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
-  c.sft.num_traces = 30000
-  c.sft.steps = 1200
-  c.sft.batch_rows = 16      # packed rows per step
-  c.sft.row_len = 512        # tokens per packed row
+  c.sft.num_traces = 24000
+  c.sft.steps = 450          # copying entities out of observations appears after ~250 steps
+  c.sft.batch_rows = 24      # packed rows per step
+  c.sft.row_len = 320        # tokens per packed row (longer than any expert trace)
   c.sft.lr = 3e-3
   c.sft.warmup = 50
   c.sft.min_lr_ratio = 0.05
@@ -101,8 +101,8 @@ def _base():
   c.rl.predictor_warmup_steps = 2  # steps before p̂ drives allocation (uniform before)
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 5
-  c.eval.size = 400
+  c.eval.every = 10
+  c.eval.size = 300
   c.eval.probe_prompts = 32  # train prompts x 8 samples probing the warm start (prefix signal)
 
   c.ckpt = ml_collections.ConfigDict()
