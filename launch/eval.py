@@ -97,7 +97,8 @@ def _hf_config(model_path: str):
 
 def _apply_overrides(c):
   """Command-line settings win over the run's config."""
-  pairs = [(_DTYPE, ("model", "dtype")), (_REWARD, ("env", "reward")), (_TOPK, ("retriever", "topk")),
+  pairs = [(_DTYPE, ("model", "dtype")), (_REWARD, ("env", "reward")),
+           (_TOPK, ("retriever", "topk")),
            (_MAX_TURNS, ("env", "max_turns")), (_MAX_TURN_TOKENS, ("env", "max_turn_tokens")),
            (_MAX_OBS_TOKENS, ("env", "max_obs_tokens")), (_MAX_SEQ_LEN, ("env", "max_seq_len")),
            (_NUM_SLOTS, ("rollout", "num_slots")), (_NUM_PAGES, ("rollout", "num_pages"))]
@@ -308,7 +309,8 @@ def main(argv):
                         "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
-    json.dump(out, f, indent=1, default=lambda x: float(x) if isinstance(x, np.floating) else str(x))
+    json.dump(out, f, indent=1,
+              default=lambda x: float(x) if isinstance(x, np.floating) else str(x))
   per = "  ".join(f"{s}: EM {v['em']:.3f} F1 {v['f1']:.3f} (n={v['n']})"
                   for s, v in out["per_source"].items())
   print(f"EM {out['em']:.3f} F1 {out['f1']:.3f} over {out['n']} examples; {per}\nwrote {path}",
