@@ -43,7 +43,7 @@ class Checkpointer:
   def save(self, step: int, state: Any, metadata: dict | None = None, force: bool = False) -> bool:
     saved = self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        metadata=ocp.args.JsonSave(_jsonable(metadata or {}))), force=force)
+        metadata=ocp.args.JsonSave(jsonable(metadata or {}))), force=force)
     self._mgr.wait_until_finished()
     return saved
 
@@ -63,11 +63,12 @@ class Checkpointer:
     self._mgr.close()
 
 
-def _jsonable(x):
+def jsonable(x):
+  """numpy scalars and arrays (also nested in dicts and lists) as plain JSON values."""
   if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
+    return {str(k): jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
+    return [jsonable(v) for v in x]
   if isinstance(x, (np.integer,)):
     return int(x)
   if isinstance(x, (np.floating,)):

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from trace_jax.checkpoint import jsonable
+
 
 def _scalar_items(d: dict, prefix=""):
   for k, v in d.items():
@@ -47,13 +49,8 @@ class MetricWriter:
 
 
 def _json_default(x):
-  if isinstance(x, (np.integer,)):
-    return int(x)
-  if isinstance(x, (np.floating,)):
-    return float(x)
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  return str(x)
+  out = jsonable(x)
+  return str(x) if out is x else out
 
 
 def read_jsonl(path: str) -> list[dict]:
