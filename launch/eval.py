@@ -228,7 +228,7 @@ def main(argv):
   from trace_jax.envs import prompts
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
-  from trace_jax.rollout.env_bridge import make_env_step
+  from trace_jax.rollout.env_adapter import TreeEnvAdapter
   from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
@@ -300,7 +300,8 @@ def main(argv):
                        max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
                        prefill_chunk=(32, r.prefill_chunk), use_tree_attention=r.tree_attention,
                        seed=c.seed)
-  engine = SamplerEngine(graphdef, params, scfg, encode, decode, make_env_step(env), eos_id)
+  engine = SamplerEngine(graphdef, params, scfg, encode, decode,
+                         TreeEnvAdapter(env, golds_key="answers"), eos_id)
   res = evaluate(engine, examples, batch=_BATCH.value)
   out = dict(summarize(res, examples), checkpoint=ckpt_info, data=data_info,
              retriever=retr_desc, reward=c.env.reward, max_turns=c.env.max_turns,

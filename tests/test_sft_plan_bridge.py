@@ -10,7 +10,7 @@ from trace_jax.envs.types import Doc
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.plan import plan_memory
 from trace_jax.rl.batch import build_sequences
-from trace_jax.rollout.env_bridge import make_env_step
+from trace_jax.rollout.env_adapter import TreeEnvAdapter
 from trace_jax.rollout.sampler import TurnRef
 from trace_jax.rollout.tree import Tree
 from trace_jax.sft import SFTConfig, encode_segments, pack_sequences, sft_train, target_positions
@@ -76,28 +76,31 @@ class _Docs:
     return [[Doc(id=q, title=q, text=f"{q} is here .")] for q in queries]
 
 
-def test_env_bridge_rebuilds_turn_count_and_format_flags():
+def test_env_adapter_carries_turn_count_and_format_flags_into_forks():
   env = MultiHopEnv(_Docs(), "em_format", max_turns=3, topk=1)
-  step = make_env_step(env)
-  tree = Tree([1, 2], meta={"answers": ["Paris"]})
-  bad = tree.add_node(0, text="no action here", obs_text="invalid")
-  good = tree.add_node(bad.id, text="<search> Paris </search>")
-  (obs, done, r), = step([(TurnRef(tree, good), good.text)])
+  step = TreeEnvAdapter(env, golds_key="answers")
+  tree = Tree([1, 2], uid=7, meta={"answers": ["Paris"]})
+
+  def turn(parent, text):
+    node = tree.add_node(parent, text=text)
+    (obs, done, r), = step([(TurnRef(tree, node), text)])
+    return node, obs, done, r
+
+  bad, obs, done, _ = turn(0, "no action here")
+  assert not done and obs  # a corrective observation, the turn counts
+  good, obs, done, _ = turn(bad.id, "<search> Paris </search>")
   assert not done and "Paris is here" in obs
-  final = tree.add_node(good.id, text="<answer> Paris </answer>")
-  (obs, done, r), = step([(TurnRef(tree, final), final.text)])
   # correct, but an invalid turn came earlier on this path: the format bonus is withheld
+  _, obs, done, r = turn(good.id, "<answer> Paris </answer>")
   assert done and obs is None and 0.5 < r < 1.0
-  # a sibling branch forked after the valid turn only: turn count 2, format clean
-  clean = Tree([1, 2], meta={"answers": ["Paris"]})
-  s1 = clean.add_node(0, text="<search> Paris </search>")
-  ans = clean.add_node(s1.id, text="<answer> Paris </answer>")
-  (_, done, r), = step([(TurnRef(clean, ans), ans.text)])
-  assert done and r == 1.0
-  # the turn limit counts earlier turns on the path
-  t3 = tree.add_node(good.id, text="<search> again </search>")
-  (obs, done, r), = step([(TurnRef(tree, t3), t3.text)])
+  # a fork from the first turn boundary continues from that state (turn 1, one invalid action)
+  _, _, done, r = turn(bad.id, "<answer> Paris </answer>")
+  assert done and 0.5 < r < 1.0
+  # the turn limit counts the earlier turns of the path: turn 3 without an answer ends at 0
+  _, obs, done, r = turn(good.id, "<search> again </search>")
   assert done and r == 0.0
+  step.release([tree])
+  assert not step.states
 
 
 def test_empty_batch_after_filtering_is_defined():

@@ -30,7 +30,7 @@ from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, dapo_prompts
-from trace_jax.rollout.env_bridge import make_env_step
+from trace_jax.rollout.env_adapter import TreeEnvAdapter
 from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,11 @@ def _bucket(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-def make_predict_fns(model_graphdef, pred_graphdef, bos_pad: int = 0):
-  """Jitted p̂ from features, and prompt features from prompt ids, with bucketed shapes."""
+def make_predictor(pred_graphdef):
+  """Jitted p̂ from features [N, D], padded to buckets of 64 rows (one compile per bucket)."""
   @jax.jit
   def _probs(pred_state, feats):
     return nnx.merge(pred_graphdef, pred_state).prob(feats)
-
-  @jax.jit
-  def _prompt_hidden(params, tokens, lens):
-    out = nnx.merge(model_graphdef, params).forward(tokens, attn_mask=tokens >= 0,
-                                                    compute_logits=False)
-    return jnp.take_along_axis(out["hidden"], (lens - 1)[:, None, None], axis=1)[:, 0]
 
   def predict(pred_state, feats):
     feats = np.asarray(feats, np.float32)
@@ -59,16 +53,7 @@ def make_predict_fns(model_graphdef, pred_graphdef, bos_pad: int = 0):
     pad[:n] = feats
     return np.asarray(_probs(pred_state, pad))[:n]
 
-  def prompt_features(params, prompt_ids):
-    n, L = len(prompt_ids), max(len(p) for p in prompt_ids)
-    toks = np.full((_bucket(n, 16), _bucket(L, 32)), -1, np.int32)
-    for i, p in enumerate(prompt_ids):
-      toks[i, :len(p)] = p
-    lens = np.maximum((toks >= 0).sum(1), 1).astype(np.int32)
-    h = _prompt_hidden(params, np.where(toks >= 0, toks, bos_pad), lens)
-    return np.asarray(h)[:n]
-
-  return predict, prompt_features
+  return predict
 
 
 def _workdir(c) -> str:
@@ -122,16 +107,16 @@ def train(c, validate_fn=None) -> dict:
                        top_p=r.top_p, top_k=r.top_k, use_tree_attention=r.tree_attention,
                        seed=c.seed)
   engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
-                         make_env_step(env), assets.eos_id)
-  predict, prompt_features = make_predict_fns(graphdef, pred_graphdef)
-  holder = {"params": params, "pred": pred_params}
+                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
+  predict = make_predictor(pred_graphdef)
+  holder = {"pred": pred_params}  # the driver reads the predictor's latest state
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
                       max_per_anchor=r.max_per_anchor, budget_unit=r.budget_unit,
                       tree_lambda=r.tree_lambda, blend_prior=r.blend_prior,
                       dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
   driver = RolloutDriver(engine, dcfg, lambda f: predict(holder["pred"], f),
-                         lambda ids: prompt_features(holder["params"], ids), seed=c.seed)
+                         engine.prompt_features, seed=c.seed)
 
   # ---- update step ------------------------------------------------------------------------------
   ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
@@ -155,7 +140,7 @@ def train(c, validate_fn=None) -> dict:
   totals = dict(meta.get("totals", {"generated_tokens": 0, "rollouts": 0, "prefill_tokens": 0,
                                     "tool_calls": 0}))
   predictions = list(meta.get("predictions", []))
-  holder.update(params=state["params"], pred=state["pred_params"])
+  holder["pred"] = state["pred_params"]
   engine.update_params(state["params"])
 
   def run_eval(step):
@@ -227,7 +212,7 @@ def train(c, validate_fn=None) -> dict:
       m = jax.device_get(m)
       rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                  **{f"batch_{k}": v for k, v in binfo.items()})
-      holder.update(params=state["params"], pred=state["pred_params"])
+      holder["pred"] = state["pred_params"]
       engine.update_params(state["params"])
     else:
       rec["empty_batch"] = 1.0
@@ -287,4 +272,4 @@ def _ref_logprobs(graphdef, ref_params, batch):
   return np.asarray(f(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"]))
 
 
-__all__ = ["train", "make_predict_fns"]
+__all__ = ["train", "make_predictor"]

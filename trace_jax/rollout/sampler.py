@@ -119,12 +119,17 @@ class SamplerEngine:
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
   def release(self, trees: Sequence[Tree] | None = None) -> None:
-    """Drops every page reference held by `trees` (all live trees if None)."""
-    for tree in list(self.live_trees.values()) if trees is None else trees:
+    """Drops every page reference held by `trees` (all live trees if None), and the environment's
+    per-node state when the env callback keeps one (it has a `release(trees)` method)."""
+    trees = list(self.live_trees.values()) if trees is None else list(trees)
+    for tree in trees:
       for pages in tree._page_refs:
         self.alloc.decref(pages)
       tree._page_refs, tree._kv = [], {}
       self.live_trees.pop(tree.uid, None)
+    env_release = getattr(self.env_step, "release", None)
+    if env_release is not None:
+      env_release(trees)
 
   def checkpoint(self, tree: Tree) -> tuple[int, int]:
     """A mark to `rollback` to: the tree's node count and page references now."""
