@@ -93,8 +93,9 @@ def train(c, validate_fn=None) -> dict:
     def ws_log(i, m):
       writer.write(-1, {f"sft_{k}": v for k, v in m.items()})
     params, ws_info = assets_lib.warm_start(c, assets, graphdef, params, ws_log)
-    print(f"[trace_jax] warm start {'restored' if ws_info.get('cached') else 'trained'} "
-          f"({ws_info.get('seconds', 0):.0f}s)", flush=True)
+    how = "restored from the cache" if ws_info.get("cached") else "trained"
+    print(f"[trace_jax] warm start {how} ({ws_info.get('steps')} steps trained in "
+          f"{ws_info.get('seconds', 0):.0f}s)", flush=True)
 
   # ---- sampler, environment and driver ----------------------------------------------------------
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
