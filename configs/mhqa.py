@@ -98,7 +98,10 @@ def _base():
   c.rl.max_grad_norm = 1.0
   c.rl.micro_batches = 4
   c.rl.train_rows = 80         # packed rows of env.max_seq_len tokens per update (fixed shape)
-  c.rl.predictor_warmup_steps = 2  # steps before p̂ drives allocation (uniform before)
+  c.rl.predictor_warmup_steps = 0  # steps before p̂ drives allocation (uniform before)
+  c.rl.predictor_fit_steps = 50    # extra full-batch predictor steps per RL step (0 = off)
+  c.rl.predictor_buffer_steps = 4  # RL steps of node examples kept for that fit
+  c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10

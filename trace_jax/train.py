@@ -28,7 +28,9 @@ from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
-from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
+from trace_jax.rl.predictor_fit import PredictorFitter
+from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
+                                 make_optimizers)
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
 from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
@@ -129,6 +131,17 @@ def train(c, validate_fn=None) -> dict:
     params = shard_state(params, mesh)
   state = init_train_state(params, pred_params, ucfg)
   update = jit_update_step(graphdef, pred_graphdef, ucfg)
+  fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
+                           buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed)
+
+  def fit_predictor(trees, steps=None):
+    fitter.add(trees)
+    if not c.rl.predictor_fit_steps:
+      return {}
+    ps, po, info = fitter.fit(state["pred_params"], state["pred_opt"], steps)
+    state["pred_params"], state["pred_opt"] = ps, po
+    holder["pred"] = ps
+    return info
   ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
 
   # ---- checkpoint / resume ----------------------------------------------------------------------
@@ -167,6 +180,8 @@ def train(c, validate_fn=None) -> dict:
       sig = prefix_signal(trees, assets.world)
       sig["mixed_share_8"] = tree_metrics(trees)["effective_ratio"]
       sig["sampled_success"] = tree_metrics(trees)["reward_mean"]
+      # The probe's rollouts also give the predictor a head start before its first allocation.
+      sig.update(fit_predictor(trees, steps=c.rl.predictor_warm_steps))
       engine.release(trees)
       meta["warm_start_probe"] = sig
       writer.write(0, {f"probe_{k}": v for k, v in sig.items()})
@@ -194,8 +209,9 @@ def train(c, validate_fn=None) -> dict:
     for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
       totals[k.replace("_started", "")] = totals.get(k.replace("_started", ""), 0) + \
           sample.info.get(f"ledger_{k}", 0)
+    fit_info = fit_predictor(sample.all_trees)
     engine.release(sample.all_trees)
-    rec = dict(effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
+    rec = dict(**fit_info, effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
                leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
                sample_seconds=t_sample, **{k: v for k, v in sample.info.items()
                                           if isinstance(v, (int, float))},
