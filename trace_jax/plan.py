@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import numpy as np
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, Qwen3Config
-from trace_jax.parallel.sharding import DEFAULT_RULES, MESH_AXES, logical_to_spec, parse_mesh_spec
+from trace_jax.parallel.sharding import DEFAULT_RULES, logical_to_spec, parse_mesh_spec
 
 GB = 1e9
 
@@ -119,5 +118,3 @@ def format_table(plans: list[MemoryPlan], device_gb=DEVICE_GB, headroom: float =
   return "\n".join(rows)
 
 
-__all__ = ["CANDIDATE_MESHES", "DEVICE_GB", "MESH_AXES", "MemoryPlan", "format_table",
-           "plan_memory", "jax"]

@@ -123,8 +123,7 @@ def make_sft_step(graphdef, tx):
 
 
 def sft_train(graphdef, params, packed: dict[str, np.ndarray], cfg: SFTConfig, seed: int = 0,
-              log: Callable[[int, dict], None] | None = None, desc: str = "warm start",
-              save: Callable[[int, object], None] | None = None, save_every: int = 0):
+              log: Callable[[int, dict], None] | None = None, desc: str = "warm start"):
   """Trains on packed rows (resampled each epoch); returns (params, history list of dicts)."""
   sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
                                              cfg.lr * cfg.min_lr_ratio)
@@ -156,6 +155,4 @@ def sft_train(graphdef, params, packed: dict[str, np.ndarray], cfg: SFTConfig, s
       bar.set_postfix(nll=f"{m['nll']:.3f}", acc=f"{m['token_acc']:.3f}")
       if log:
         log(i, m)
-    if save is not None and save_every and (i + 1) % save_every == 0 and i + 1 < cfg.steps:
-      save(i + 1, params)
   return params, hist

@@ -6,6 +6,7 @@ step -> checkpoint/resume -> loop (sample, batch, update, evaluate) -> summary a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -178,8 +179,8 @@ def train(c, validate_fn=None) -> dict:
       from trace_jax.rollout.sampler import PromptRequest
       trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
       sig = prefix_signal(trees, assets.world)
-      sig["mixed_share_8"] = tree_metrics(trees)["effective_ratio"]
-      sig["sampled_success"] = tree_metrics(trees)["reward_mean"]
+      tm0 = tree_metrics(trees)
+      sig["mixed_share_8"], sig["sampled_success"] = tm0["effective_ratio"], tm0["reward_mean"]
       # The probe's rollouts also give the predictor a head start before its first allocation.
       sig.update(fit_predictor(trees, steps=c.rl.predictor_warm_steps))
       engine.release(trees)
@@ -278,7 +279,9 @@ def train(c, validate_fn=None) -> dict:
   return summary
 
 
-def _ref_logprobs(graphdef, ref_params, batch):
+@functools.lru_cache(maxsize=4)
+def _ref_logprob_fn(graphdef):
+  """Jitted reference log-probs, built once per model graph (not once per step)."""
   from trace_jax.rl.losses import token_logprobs_and_entropy
 
   @jax.jit
@@ -286,6 +289,11 @@ def _ref_logprobs(graphdef, ref_params, batch):
     logits = nnx.merge(graphdef, p)(tokens, positions=positions, segment_ids=seg)
     lp, _ = token_logprobs_and_entropy(logits[:, :-1], tokens[:, 1:])
     return jnp.pad(lp, ((0, 0), (1, 0)))
+  return f
+
+
+def _ref_logprobs(graphdef, ref_params, batch):
+  f = _ref_logprob_fn(graphdef)
   return np.asarray(f(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"]))
 
 

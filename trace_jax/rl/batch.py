@@ -12,7 +12,6 @@ import functools
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.rl import advantages as adv_lib
@@ -160,5 +159,5 @@ def tree_metrics(trees: Sequence[Tree]) -> dict:
               nodes_per_tree=float(np.mean([len(t.nodes) for t in trees])))
 
 
-__all__ = ["ADVANTAGES", "build_sequences", "jnp", "node_advantages", "pack_batch",
+__all__ = ["ADVANTAGES", "build_sequences", "node_advantages", "pack_batch",
            "tree_metrics"]

@@ -173,7 +173,6 @@ class RolloutDriver:
       return self._sample_dapo(examples, ledger0)
     m, p_root = self._root_counts(examples, use_predictor)
     reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, m) if k > 0]
-    kept = [e for e, k in zip(examples, m) if k > 0]
     trees = self.engine.run(reqs)
     predictions = []
     if p_root is not None and use_predictor:
