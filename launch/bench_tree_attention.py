@@ -11,6 +11,7 @@ process (interleaved runs, median after warm-up) on the default JAX backend.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -21,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.kernels.tree_attention import paged_attention_reference
-from trace_jax.kernels.tree_attention import tree_attention_reference
+from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention_reference
 
 
 def build_case(rng, prefix_len, branches, *, suffix_len, num_q_heads, num_kv_heads, head_dim,
@@ -141,7 +141,8 @@ def main():
       out_dup = dup_fn(*dup_args)
       max_diff = float(jnp.abs(out_tree - out_dup).max())  # same math, so they must agree
       t_tree, t_dup = time_side_by_side(
-          [lambda: tree_fn(*tree_args), lambda: dup_fn(*dup_args)], args.reps
+          [functools.partial(tree_fn, *tree_args), functools.partial(dup_fn, *dup_args)],
+          args.reps
       )
       row = dict(
           prefix_len=prefix, branches=branches, suffix_len=args.suffix,

@@ -229,7 +229,8 @@ def main(argv):
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.rollout.env_adapter import TreeEnvAdapter
-  from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
+  from trace_jax.rollout.sampler import SamplerEngine
+  from trace_jax.rollout.sampler_config import sampler_config_from
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   world_box = {}
@@ -290,16 +291,11 @@ def main(argv):
 
   # ---- sampler and evaluation -------------------------------------------------------------------
   env = MultiHopEnv(retriever, c.env.reward, max_turns=c.env.max_turns, topk=c.retriever.topk)
-  r = c.rollout
   longest = max(len(e["prompt_ids"]) for e in examples)
   if longest >= c.env.max_seq_len:
     _fail(f"a prompt has {longest} tokens, not below max_seq_len={c.env.max_seq_len} "
           f"(raise --max_seq_len)")
-  scfg = SamplerConfig(num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
-                       max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
-                       max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
-                       prefill_chunk=(32, r.prefill_chunk), use_tree_attention=r.tree_attention,
-                       seed=c.seed)
+  scfg = sampler_config_from(c)  # evaluation is greedy whatever the temperature
   engine = SamplerEngine(graphdef, params, scfg, encode, decode,
                          TreeEnvAdapter(env, golds_key="answers"), eos_id)
   res = evaluate(engine, examples, batch=_BATCH.value)

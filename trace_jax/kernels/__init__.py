@@ -16,3 +16,18 @@ from trace_jax.kernels.tree_attention import resolve_impl
 from trace_jax.kernels.tree_attention import tree_attention
 from trace_jax.kernels.tree_attention import tree_attention_pallas
 from trace_jax.kernels.tree_attention import tree_attention_reference
+
+__all__ = [
+    "IMPL_ENV_VAR",
+    "MASK_VALUE",
+    "Partials",
+    "dense_attention_oracle",
+    "merge_partials",
+    "merge_split_partials",
+    "normalize_partials",
+    "paged_attention_reference",
+    "resolve_impl",
+    "tree_attention",
+    "tree_attention_pallas",
+    "tree_attention_reference",
+]

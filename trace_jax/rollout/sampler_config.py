@@ -48,6 +48,18 @@ class SamplerConfig:
     return self.max_groups or max(1, -(-2 * self.num_slots // self.group_size))
 
 
+def sampler_config_from(c, **overrides) -> SamplerConfig:
+  """The engine settings of a run config (`configs/mhqa.py`: its rollout and env sections)."""
+  r = c.rollout
+  kw = dict(num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
+            max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
+            max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
+            prefill_chunk=(32, r.prefill_chunk), temperature=r.temperature, top_p=r.top_p,
+            top_k=r.top_k, use_tree_attention=r.tree_attention, seed=c.seed)
+  kw.update(overrides)
+  return SamplerConfig(**kw)
+
+
 @dataclasses.dataclass
 class PromptRequest:
   """A new prompt sampled `n` times from its root."""
