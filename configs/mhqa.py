@@ -57,7 +57,7 @@ def _base():
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
   c.sft.num_traces = 24000
-  c.sft.steps = 450          # copying entities out of observations appears after ~250 steps
+  c.sft.steps = 500          # copying entities out of observations appears after ~250 steps
   c.sft.batch_rows = 24      # packed rows per step
   c.sft.row_len = 320        # tokens per packed row (longer than any expert trace)
   c.sft.lr = 3e-3
@@ -66,6 +66,8 @@ def _base():
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 16
+  c.rollout.candidate_prompts = 48  # trace/trace_tree/root_only: prompts scored by p̂ per step, of
+  #                                   which prompts_per_step get rollouts (> prompts_per_step = pool)
   c.rollout.root_budget = 96      # M_root: stage-1 rollouts over the step's prompts
   c.rollout.min_per_prompt = 2
   c.rollout.max_per_prompt = 12
@@ -101,6 +103,8 @@ def _base():
   c.rl.predictor_warmup_steps = 0  # steps before p̂ drives allocation (uniform before)
   c.rl.predictor_fit_steps = 50    # extra full-batch predictor steps per RL step (0 = off)
   c.rl.predictor_buffer_steps = 4  # RL steps of node examples kept for that fit
+  c.rl.predictor_root_buffer_steps = 4  # roots (one per prompt) may be kept longer
+  c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
 
   c.eval = ml_collections.ConfigDict()
@@ -127,6 +131,7 @@ def get_config(arg: str | None = None):
     c.sft.batch_rows = 4
     c.sft.row_len = 256
     c.rollout.prompts_per_step = 4
+    c.rollout.candidate_prompts = 6
     c.rollout.root_budget = 12
     c.rollout.prefix_budget = 6
     c.rollout.num_slots = 8
@@ -150,6 +155,7 @@ def get_config(arg: str | None = None):
     c.env.max_obs_tokens = 512
     c.env.max_seq_len = 4096
     c.rollout.prompts_per_step = 64
+    c.rollout.candidate_prompts = 64
     c.rollout.root_budget = 512
     c.rollout.min_per_prompt = 4
     c.rollout.max_per_prompt = 16
@@ -191,6 +197,9 @@ def validate(c) -> None:
   if r.root_budget < r.min_per_prompt * r.prompts_per_step:
     raise ValueError(f"rollout.root_budget={r.root_budget} is smaller than min_per_prompt x "
                      f"prompts_per_step = {r.min_per_prompt * r.prompts_per_step}")
+  if 0 < r.candidate_prompts < r.prompts_per_step:
+    raise ValueError(f"rollout.candidate_prompts={r.candidate_prompts} must be 0 or at least "
+                     f"prompts_per_step={r.prompts_per_step}")
 
 
 def _get(c, dotted):

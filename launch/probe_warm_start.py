@@ -39,14 +39,15 @@ def main(argv):
   from trace_jax import assets as assets_lib
   from trace_jax.diagnostics import prefix_signal
   from trace_jax.envs.env import MultiHopEnv
-  from trace_jax.evaluate import sampling_mode
+  from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
   from trace_jax.rl.batch import tree_metrics
   from trace_jax.rl.predictor_fit import PredictorFitter, node_examples
   from trace_jax.rl.predictor_metrics import predictor_report
   from trace_jax.rl.update import UpdateConfig, make_optimizers
   from trace_jax.rollout.env_adapter import TreeEnvAdapter
-  from trace_jax.rollout.sampler import PromptRequest, SamplerConfig, SamplerEngine
+  from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
+  from trace_jax.rollout.sampler_config import sampler_config_from
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -56,11 +57,7 @@ def main(argv):
   params, ws = assets_lib.warm_start(c, assets, graphdef, params)
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                     topk=c.retriever.topk)
-  scfg = SamplerConfig(num_slots=c.rollout.num_slots, page_size=c.rollout.page_size,
-                       num_pages=6 * c.rollout.num_pages, max_seq_len=c.env.max_seq_len,
-                       max_turn_tokens=c.env.max_turn_tokens, max_obs_tokens=c.env.max_obs_tokens,
-                       max_turns=c.env.max_turns, prefill_chunk=(32, c.rollout.prefill_chunk),
-                       seed=c.seed)
+  scfg = sampler_config_from(c, num_pages=6 * c.rollout.num_pages)
   engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
   rng = np.random.default_rng(c.seed)
@@ -69,6 +66,9 @@ def main(argv):
              machine=dict(platform=platform.platform(), cpu_count=os.cpu_count()),
              date=time.strftime("%Y-%m-%d %H:%M:%S"), prompts=len(probe), samples_per_prompt=8,
              warm_start=dict(path=ws.get("path"), steps=ws.get("steps")), temperatures={})
+  ev = evaluate(engine, assets.test[:c.eval.size])  # greedy, as the training run's step-0 eval
+  out["greedy"] = dict(em=ev["em"], f1=ev["f1"], n=ev["n"], em_by_hops=ev["em_by_hops"])
+  print("greedy", json.dumps(out["greedy"]), flush=True)
   for temp in map(float, _TEMPS.value.split(",")):
     with sampling_mode(engine, temperature=temp):
       trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
@@ -86,14 +86,25 @@ def main(argv):
       hs, _, info = fitter.fit(hs, tx.init(hs))
       x, y = node_examples(trees[split:])
       p = np.asarray(nnx.merge(hg, hs).prob(x))
-      res["offline_predictor"] = dict(train_rows=info.get("predictor_fit_rows"),
-                                      heldout=predictor_report(p, y > 0.5))
+      kinds = np.asarray([_kind(n) for t in trees[split:] for n in t.nodes
+                          if n.feature is not None and n.value is not None])
+      res["offline_predictor"] = dict(
+          train_rows=info.get("predictor_fit_rows"), heldout=predictor_report(p, y > 0.5),
+          # What allocation reads: roots (stage 1) and internal turn boundaries (stage 2).
+          **{f"heldout_{k}": predictor_report(p[kinds == k], y[kinds == k] > 0.5)
+             for k in ("root", "anchor")})
     out["temperatures"][str(temp)] = res
     engine.release(trees)
     print(temp, json.dumps(res, default=float), flush=True)
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1, default=float)
+
+
+def _kind(node) -> str:
+  if node.parent < 0:
+    return "root"
+  return "leaf" if node.done else "anchor"
 
 
 if __name__ == "__main__":

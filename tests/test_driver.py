@@ -214,3 +214,32 @@ def test_dapo_spends_whole_budget_when_uneven(engine):
   engine.release(s.all_trees)
   assert s.info["ledger_rollouts_started"] == ROOT_BUDGET + 4
   assert sorted(len(t.root.children) for t in s.all_trees) == [3, 3, 4]
+
+
+@pytest.mark.parametrize("use_pred", [True, False])
+def test_candidate_pool_selects_prompts(engine, use_pred):
+  """Scoring 3 candidates for 2 places: the prompt predicted easy is left out (uniform over the
+  first two without the predictor), and the root budget still goes out in full."""
+  driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=2, **CFG),
+                         predict, prompt_features)
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  s = driver.sample(examples, use_predictor=use_pred)
+  engine.release(s.all_trees)
+  ids = [t.meta["id"] for t in s.trees]
+  assert ids == (["1", "2"] if use_pred else ["0", "1"])
+  assert s.info["prompts_sampled"] == 2 and s.info["prompts_scored"] == 3
+  assert s.info["stage1_leaves"] == ROOT_BUDGET
+  assert s.info["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET
+
+
+def test_pool_rejected_by_uniform_methods(engine):
+  driver = RolloutDriver(engine, DriverConfig(method="grpo", prompts_per_step=2, **CFG),
+                         predict, prompt_features)
+  with pytest.raises(ValueError, match="samples every prompt"):
+    driver.sample([dict(prompt_ids=p, answers=["x"]) for p in PROMPTS])
+
+
+def test_prompt_scoring_is_counted_as_prefill(engine):
+  before = engine.ledger.prefill_tokens
+  engine.prompt_features(PROMPTS)
+  assert engine.ledger.prefill_tokens - before == sum(map(len, PROMPTS))

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from flax import nnx
 
 from trace_jax.models.predictor import PredictorHead
@@ -47,3 +48,39 @@ def test_fitter_learns_a_separable_signal_from_a_replay_buffer():
   feats = np.stack([t.root.feature for t in test])
   p = np.asarray(nnx.merge(g, s).prob(feats))
   assert auc(p, np.asarray([t.nodes[1].reward for t in test])) > 0.9
+
+
+def test_visit_weighting_weighs_nodes_by_leaf_count():
+  t = Tree([1])
+  t.root.feature = np.ones(3, np.float32)
+  a = t.add_node(0, feature=np.zeros(3, np.float32))
+  for r in (1.0, 0.0, 0.0):
+    t.add_node(a.id, done=True, reward=r, feature=np.ones(3, np.float32))
+  x, y, n, root = node_examples([t], with_meta=True)
+  assert n.tolist() == [3.0, 3.0, 1.0, 1.0, 1.0]
+  assert root.tolist() == [True, False, False, False, False]
+  tx = make_optimizers(UpdateConfig())[1]
+  g = nnx.split(PredictorHead(3, 4, rngs=nnx.Rngs(0)))[0]
+  visits = PredictorFitter(g, tx, weighting="visits")
+  visits.add([t])
+  assert visits.roots[0][2].tolist() + visits.buffer[0][2].tolist() == n.tolist()
+  uniform = PredictorFitter(g, tx)
+  uniform.add([t])
+  assert uniform.roots[0][2].tolist() + uniform.buffer[0][2].tolist() == [1.0] * 5
+  with pytest.raises(ValueError, match="weighting"):
+    PredictorFitter(g, tx, weighting="depth")
+
+
+def test_roots_can_be_kept_longer_than_other_nodes():
+  rs = np.random.RandomState(1)
+  g = nnx.split(PredictorHead(8, 4, rngs=nnx.Rngs(0)))[0]
+  fitter = PredictorFitter(g, make_optimizers(UpdateConfig())[1], buffer_steps=2,
+                           root_buffer_steps=5)
+  for _ in range(6):
+    trees = _trees(rs, 10)
+    for t in trees:
+      t.nodes[1].feature = rs.randn(8).astype(np.float32)
+    fitter.add(trees)
+  assert len(fitter.buffer) == 2 and len(fitter.roots) == 5
+  assert sum(len(b[1]) for b in fitter.buffer) == 20  # the leaves of the last two steps
+  assert sum(len(b[1]) for b in fitter.roots) == 50   # the roots of the last five

@@ -79,6 +79,10 @@ def plot_run(workdir: str, records: list[dict], calibration: dict | None = None)
     ax[2].plot([r["step"] for r in steps], [r["effective_ratio"] for r in steps], label="trained trees")
     ax[2].plot([r["step"] for r in steps], [r.get("stage1_mixed", np.nan) for r in steps],
                label="after stage 1")
+    if any("stage1_predicted_mixed" in r for r in steps):  # what the root allocation expected
+      ax[2].plot([r["step"] for r in steps],
+                 [r.get("stage1_predicted_mixed", np.nan) for r in steps], "--",
+                 label="stage 1 predicted by p̂")
     ax[2].set_ylim(0, 1)
     ax[2].legend()
   ax[2].set(xlabel="RL step", ylabel="share of mixed trees", title="effective ratio")

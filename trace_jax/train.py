@@ -32,9 +32,11 @@ from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
                                  make_optimizers)
+from trace_jax.rollout import strategies
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
-from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
+from trace_jax.rollout.sampler import SamplerEngine
+from trace_jax.rollout.sampler_config import sampler_config_from
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +106,14 @@ def train(c, validate_fn=None) -> dict:
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                     topk=c.retriever.topk)
   r = c.rollout
-  scfg = SamplerConfig(num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
-                       max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
-                       max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
-                       prefill_chunk=(32, r.prefill_chunk), temperature=r.temperature,
-                       top_p=r.top_p, top_k=r.top_k, use_tree_attention=r.tree_attention,
-                       seed=c.seed)
+  scfg = sampler_config_from(c)
   engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
   predict = make_predictor(pred_graphdef)
   holder = {"pred": pred_params}  # the driver reads the predictor's latest state
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
+                      prompts_per_step=r.prompts_per_step,
                       max_per_anchor=r.max_per_anchor, budget_unit=r.budget_unit,
                       tree_lambda=r.tree_lambda, blend_prior=r.blend_prior,
                       dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
@@ -133,7 +131,9 @@ def train(c, validate_fn=None) -> dict:
   state = init_train_state(params, pred_params, ucfg)
   update = jit_update_step(graphdef, pred_graphdef, ucfg)
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
-                           buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed)
+                           buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
+                           weighting=c.rl.predictor_weighting,
+                           root_buffer_steps=c.rl.predictor_root_buffer_steps)
 
   def fit_predictor(trees, steps=None):
     fitter.add(trees)
@@ -192,8 +192,7 @@ def train(c, validate_fn=None) -> dict:
   order = rng.permutation(len(assets.train))
   bar = tqdm(range(start, c.rl.steps), desc=f"RL ({c.method})", initial=start, total=c.rl.steps)
   er_hist = list(meta.get("er_hist", []))
-  n_prompts = dapo_prompts(r.prompts_per_step, r.dapo_oversample) if c.method == "dapo" else \
-      r.prompts_per_step
+  n_prompts = step_prompts(c)
   for step in bar:
     t0 = time.time()
     idx = [order[(step * n_prompts + j) % len(order)] for j in range(n_prompts)]
@@ -254,6 +253,10 @@ def train(c, validate_fn=None) -> dict:
     p = np.asarray([x[1] for x in predictions])
     y = np.asarray([x[2] for x in predictions])
     pred_rep = predictor_report(p, y)
+    stage = np.asarray([x[0] for x in predictions])
+    for st in ("root", "prefix"):  # stage 1 and stage 2 read different prefixes; report each
+      if (stage == st).sum() > 1:
+        pred_rep[st] = predictor_report(p[stage == st], y[stage == st])
     cc = calibration_curve(p, y)
     calib = {"bins": {k: np.asarray(v).tolist() for k, v in cc.items()}, "ece": pred_rep["ece"]}
   records = read_jsonl(writer.path)
@@ -277,6 +280,17 @@ def train(c, validate_fn=None) -> dict:
   writer.close()
   print("\n" + format_summary(summary), flush=True)
   return summary
+
+
+def step_prompts(c) -> int:
+  """Prompts drawn per RL step: dapo oversamples; predicted-root methods score a candidate pool
+  (`rollout.candidate_prompts`) and give rollouts to `prompts_per_step` of them."""
+  r = c.rollout
+  if c.method == "dapo":
+    return dapo_prompts(r.prompts_per_step, r.dapo_oversample)
+  if strategies.ROOT_ALLOCATION[c.method] == "predicted":
+    return max(r.prompts_per_step, r.candidate_prompts)
+  return r.prompts_per_step
 
 
 @functools.lru_cache(maxsize=4)

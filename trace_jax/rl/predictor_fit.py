@@ -22,18 +22,25 @@ from flax import nnx
 from trace_jax.rl.losses import predictor_bce
 
 
-def node_examples(trees) -> tuple[np.ndarray, np.ndarray]:
-  """(features f32[n, D], targets V(y) f32[n]) of every node with a recorded feature and a value."""
-  feats, vals = [], []
+def node_examples(trees, with_meta: bool = False):
+  """(features f32[n, D], targets V(y) f32[n]) of every node with a recorded feature and a value;
+  with `with_meta` also the leaf counts n_y f32[n] and a root mask bool[n] of those nodes."""
+  feats, vals, counts, roots = [], [], [], []
   for t in trees:
     t.backup()
     for n in t.nodes:
       if n.feature is not None and n.value is not None:
         feats.append(np.asarray(n.feature, np.float32))
         vals.append(float(n.value))
+        counts.append(float(n.n_leaves))
+        roots.append(n.parent < 0)
   if not feats:
-    return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
-  return np.stack(feats), np.asarray(vals, np.float32)
+    out = (np.zeros((0, 0), np.float32), np.zeros((0,), np.float32))
+  else:
+    out = (np.stack(feats), np.asarray(vals, np.float32))
+  if with_meta:
+    return (*out, np.asarray(counts, np.float32), np.asarray(roots, bool))
+  return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,36 +58,50 @@ def _fit_fn(pred_graphdef, tx, steps: int):
 
 
 class PredictorFitter:
-  """Keeps the last `buffer_steps` batches of node examples and fits the head on all of them."""
+  """Keeps the last `buffer_steps` batches of node examples and fits the head on all of them.
+
+  `weighting`: "uniform" (every node alike) or "visits" (each node by its leaf count n_y, so a root
+  counts as much as all its leaves together: the prefixes allocation reads first weigh most).
+  `root_buffer_steps`: root nodes are one per prompt, a few dozen per step, so they may be kept for
+  more steps than the other nodes (default: as many).
+  """
 
   def __init__(self, pred_graphdef, tx, steps: int = 50, buffer_steps: int = 4,
-               max_rows: int = 8192, bucket: int = 1024, seed: int = 0):
-    self.graphdef, self.tx, self.steps = pred_graphdef, tx, steps
+               max_rows: int = 8192, bucket: int = 1024, seed: int = 0,
+               weighting: str = "uniform", root_buffer_steps: int | None = None):
+    if weighting not in ("uniform", "visits"):
+      raise ValueError(f"weighting must be 'uniform' or 'visits', got {weighting!r}")
+    self.graphdef, self.tx, self.steps, self.weighting = pred_graphdef, tx, steps, weighting
     self.buffer = collections.deque(maxlen=buffer_steps)
+    self.roots = collections.deque(maxlen=max(root_buffer_steps or buffer_steps, buffer_steps))
     self.max_rows, self.bucket = max_rows, bucket
     self.rng = np.random.default_rng(seed)
 
   def add(self, trees) -> int:
-    x, y = node_examples(trees)
+    x, y, n, root = node_examples(trees, with_meta=True)
     if len(y):
-      self.buffer.append((x, y))
+      w = n if self.weighting == "visits" else np.ones_like(y)
+      self.buffer.append((x[~root], y[~root], w[~root]))
+      self.roots.append((x[root], y[root], w[root]))
     return len(y)
 
   def fit(self, pred_state, opt_state, steps: int | None = None):
     """Returns (pred_state, opt_state, info) after `steps` full-batch steps on the buffer."""
     if not self.buffer:
       return pred_state, opt_state, {}
-    x = np.concatenate([b[0] for b in self.buffer])
-    y = np.concatenate([b[1] for b in self.buffer])
+    parts = [*self.buffer, *self.roots]
+    x = np.concatenate([b[0] for b in parts])
+    y = np.concatenate([b[1] for b in parts])
+    w = np.concatenate([b[2] for b in parts])
     if len(y) > self.max_rows:
       keep = self.rng.choice(len(y), self.max_rows, replace=False)
-      x, y = x[keep], y[keep]
+      x, y, w = x[keep], y[keep], w[keep]
     n = len(y)
     rows = -(-n // self.bucket) * self.bucket  # few shapes, few compiles
     xp = np.zeros((rows, x.shape[1]), np.float32)
     yp = np.zeros(rows, np.float32)
     wp = np.zeros(rows, np.float32)
-    xp[:n], yp[:n], wp[:n] = x, y, 1.0
+    xp[:n], yp[:n], wp[:n] = x, y, w
     fit = _fit_fn(self.graphdef, self.tx, int(steps or self.steps))
     pred_state, opt_state, first, last = fit(pred_state, opt_state, jnp.asarray(xp),
                                              jnp.asarray(yp), jnp.asarray(wp))

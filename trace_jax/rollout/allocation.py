@@ -97,6 +97,69 @@ def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: 
   return jax.lax.fori_loop(0, budget - num_prompts * min_per_prompt, pick, m0)
 
 
+def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt: int = 2,
+                          max_per_prompt: int | None = None):
+  """Stage 1 over a candidate pool: which prompts get rollouts, and how many.
+
+  Maximizes sum_i V_root(p_hat_i, m_i) subject to sum_i m_i = budget, exactly `num_selected`
+  prompts with m_i > 0, and m_i in {0} U [min_per_prompt, max_per_prompt]. Scoring a pool larger
+  than the step's batch costs one prefill per candidate and lets the budget go to the prompts whose
+  groups are most likely to be mixed. The choice set is not concave at 0, so instead of greedy this
+  is an exact dynamic program over (prompts seen, prompts selected, rollouts used), with
+  O(P * num_selected * budget * (max - min + 1)) work, tested against brute force.
+
+  Args:
+    p_hat: f32[P] predicted success probability per candidate prompt.
+    budget: static int, total rollouts M_root.
+    num_selected: static int, prompts that receive rollouts (<= P).
+    min_per_prompt: static int >= 1, rollouts of a selected prompt at least.
+    max_per_prompt: static int or None (budget).
+
+  Returns:
+    i32[P] rollout counts (0 for prompts not selected). Ties prefer leaving a prompt out, then
+    fewer rollouts, so equal predictions select the last prompts of the pool.
+
+  Raises:
+    ValueError: if the constraints admit no allocation.
+  """
+  p_hat = jnp.asarray(p_hat, jnp.float32)
+  if p_hat.ndim != 1:
+    raise ValueError(f"p_hat must be f32[P], got shape {p_hat.shape}")
+  num_prompts, budget = p_hat.shape[0], int(budget)
+  n_sel, lo = int(num_selected), int(min_per_prompt)
+  hi = budget if max_per_prompt is None else int(max_per_prompt)
+  if not 1 <= n_sel <= num_prompts:
+    raise ValueError(f"num_selected must be in [1, {num_prompts}], got {n_sel}")
+  if lo < 1 or hi < lo:
+    raise ValueError(f"need 1 <= min_per_prompt <= max_per_prompt, got {lo}, {hi}")
+  if not n_sel * lo <= budget <= n_sel * hi:
+    raise ValueError(f"budget {budget} outside [{n_sel} * {lo}, {n_sel} * {hi}]: no allocation")
+  counts = list(range(lo, hi + 1))
+  values = root_value(jnp.clip(p_hat, 0.0, 1.0)[:, None], jnp.asarray(counts)[None, :])  # [P, K]
+  neg = jnp.float32(-jnp.inf)
+  best0 = jnp.full((n_sel + 1, budget + 1), neg).at[0, 0].set(0.0)
+
+  def add_prompt(best, v):
+    options = [best]  # option 0: the prompt gets no rollouts
+    for j, m in enumerate(counts):
+      shifted = jnp.full_like(best, neg).at[1:, m:].set(best[:-1, :budget + 1 - m])
+      options.append(shifted + v[j])
+    options = jnp.stack(options)
+    return jnp.max(options, axis=0), jnp.argmax(options, axis=0).astype(jnp.int32)
+
+  _, choice = jax.lax.scan(add_prompt, best0, values)  # choice: i32[P, n_sel + 1, budget + 1]
+  lo_arr = jnp.int32(lo)
+
+  def backtrack(state, ch):
+    sel, used = state
+    c = ch[sel, used]
+    m = jnp.where(c == 0, 0, lo_arr + c - 1)
+    return (sel - (c > 0).astype(jnp.int32), used - m), m
+
+  _, m = jax.lax.scan(backtrack, (jnp.int32(n_sel), jnp.int32(budget)), choice, reverse=True)
+  return m
+
+
 def repeat_prob(p_hat, outcomes):
   """q_h = r p + (1 - r)(1 - p): chance one continuation from h repeats the outcome r. f32[H]."""
   p = jnp.clip(jnp.asarray(p_hat, jnp.float32), 0.0, 1.0)

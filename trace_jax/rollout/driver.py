@@ -28,6 +28,7 @@ class DriverConfig:
   prefix_budget: int = 32
   min_per_prompt: int = 2
   max_per_prompt: int = 12
+  prompts_per_step: int = 0   # predicted roots: prompts given rollouts out of a larger pool (0 = all)
   max_per_anchor: int = 4
   budget_unit: str = "rollouts"
   tree_lambda: float = 0.1
@@ -68,14 +69,23 @@ class RolloutDriver:
     c, p = self.cfg, len(examples)
     kind = strategies.ROOT_ALLOCATION[c.method]
     if kind == "predicted":
-      if use_predictor:
-        p_hat = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
-                        1e-4, 1 - 1e-4)
+      n_sel = c.prompts_per_step if 0 < c.prompts_per_step < p else p
+      cap = max(c.max_per_prompt, -(-c.root_budget // n_sel))
+      if not use_predictor:  # uniform over the first n_sel prompts of the pool
+        m = np.zeros(p, np.int32)
+        m[:n_sel] = np.asarray(_alloc_roots(c.root_budget, c.min_per_prompt, cap)(
+            np.full(n_sel, 0.5, np.float32)))
+        return m, None
+      p_hat = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
+                      1e-4, 1 - 1e-4).astype(np.float32)
+      if n_sel < p:  # choose the prompts as well as their counts
+        m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(p_hat)
       else:
-        p_hat = np.full(p, 0.5, np.float32)
-      m = _alloc_roots(c.root_budget, c.min_per_prompt,
-                       max(c.max_per_prompt, -(-c.root_budget // p)))(np.asarray(p_hat, np.float32))
+        m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(p_hat)
       return np.asarray(m), p_hat
+    if len(examples) > c.prompts_per_step > 0 and c.method != "dapo":
+      raise ValueError(f"{c.method} samples every prompt it is given: pass prompts_per_step "
+                       f"({c.prompts_per_step}) prompts, not {len(examples)}")
     budget = c.root_budget if kind == "uniform" and c.method != "grpo" else \
         c.root_budget + c.prefix_budget
     return np.asarray(strategies.uniform_roots(p, budget)), None
@@ -182,6 +192,18 @@ class RolloutDriver:
         predictions += [("root", float(p), float(l.reward or 0.0)) for l in t.leaves()]
     stage1_leaves = sum(len(t.leaves()) for t in trees)
     stage1_mixed = float(np.mean([t.mixed for t in trees])) if trees else float("nan")
+    extra = {}
+    if trees:  # what the unmixed trees are: all failed, or all succeeded
+      best = [max(float(l.reward or 0.0) for l in t.leaves()) for t in trees]
+      worst = [min(float(l.reward or 0.0) for l in t.leaves()) for t in trees]
+      extra["stage1_all_fail"] = float(np.mean([b <= 0.5 for b in best]))
+      extra["stage1_all_success"] = float(np.mean([w > 0.5 for w in worst]))
+    if p_root is not None and use_predictor:  # what stage 1 expected, next to what it got
+      sel = m > 0
+      extra["stage1_predicted_mixed"] = float(np.mean(allocation.root_value(p_root[sel], m[sel])))
+      if not sel.all():
+        extra["pool_p_hat_selected"] = float(np.mean(p_root[sel]))
+        extra["pool_p_hat_left_out"] = float(np.mean(p_root[~sel]))
     cands = self._candidates(trees)
     k, p_pref = self._prefix_counts(trees, cands, use_predictor)
     forks = []
@@ -206,7 +228,9 @@ class RolloutDriver:
     ledger = {k2: v - ledger0.get(k2, 0) for k2, v in self.engine.ledger.as_dict().items()}
     info = dict(stage1_mixed=stage1_mixed, stage1_leaves=stage1_leaves, candidates=len(cands),
                 anchors_used=int((k > 0).sum()), continuations=int(k.sum()),
-                root_counts_std=float(np.std(m)), **{f"ledger_{a}": b for a, b in ledger.items()})
+                root_counts_std=float(np.std(m[m > 0])) if (m > 0).any() else 0.0,
+                prompts_sampled=int((m > 0).sum()), prompts_scored=len(examples), **extra,
+                **{f"ledger_{a}": b for a, b in ledger.items()})
     return StepSample(trees=trees, all_trees=trees, predictions=predictions, info=info)
 
   def _sample_dapo(self, examples, ledger0) -> StepSample:
@@ -235,6 +259,12 @@ class RolloutDriver:
 @functools.lru_cache(maxsize=None)
 def _alloc_roots(budget, min_per_prompt, max_per_prompt):
   return jax.jit(lambda p: allocation.allocate_roots(p, budget, min_per_prompt, max_per_prompt))
+
+
+@functools.lru_cache(maxsize=None)
+def _alloc_roots_subset(budget, num_selected, min_per_prompt, max_per_prompt):
+  return jax.jit(lambda p: allocation.allocate_roots_subset(p, budget, num_selected,
+                                                            min_per_prompt, max_per_prompt))
 
 
 @functools.lru_cache(maxsize=None)

@@ -103,7 +103,8 @@ class SamplerEngine:
   def prompt_features(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
     each prompt's last token (what the engine records as `tree.root.feature`). Batches of
-    `prefill_batch` rows, lengths padded to the page-table buckets (in tokens)."""
+    `prefill_batch` rows, lengths padded to the page-table buckets (in tokens). The prompt tokens
+    count as prefill in the ledger."""
     cfg = self.cfg
     rows = cfg.prefill_batch
     out = []
@@ -115,6 +116,7 @@ class SamplerEngine:
       for r, p in enumerate(chunk):
         tokens[r, :len(p)], lens[r] = p, len(p)
       out.append(np.asarray(self._features(self.state, tokens, lens))[:len(chunk)])
+      self.ledger.prefill_tokens += int(lens.sum())  # scoring prompts is prefill work too
     d = self.model_cfg.hidden_size
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
