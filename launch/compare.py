@@ -41,6 +41,10 @@ def _plot(summaries, records, path):
                label=m)
   ms = list(summaries)
   ax[2].bar(ms, [summaries[m]["effective_ratio"] for m in ms])
+  if "grpo" in summaries:  # the effective ratio at which a method wastes half of grpo's groups
+    ax[2].axhline(1 - 0.5 * (1 - summaries["grpo"]["effective_ratio"]), color="k", ls="--",
+                  label="halves grpo's wasted groups")
+    ax[2].legend(loc="lower right")
   ax[0].set(xlabel="RL step", ylabel="greedy held-out EM")
   ax[1].set(xlabel="generated tokens", ylabel="greedy held-out EM")
   ax[2].set(ylabel="effective ratio (mixed trees)", ylim=(0, 1))

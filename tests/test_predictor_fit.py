@@ -84,3 +84,32 @@ def test_roots_can_be_kept_longer_than_other_nodes():
   assert len(fitter.buffer) == 2 and len(fitter.roots) == 5
   assert sum(len(b[1]) for b in fitter.buffer) == 20  # the leaves of the last two steps
   assert sum(len(b[1]) for b in fitter.roots) == 50   # the roots of the last five
+
+
+def test_roots_are_refeaturized_under_the_current_policy():
+  """With `root_features`, every fit recomputes the buffered roots' features from their prompts:
+  a head fit on refreshed features that separate the outcomes learns them, although the features
+  recorded at sampling time (noise) carry nothing."""
+  rs = np.random.RandomState(2)
+  calls = []
+
+  def root_features(prompts):
+    calls.append(len(prompts))
+    return np.asarray([[4.0 if p[0] == 1 else -4.0] + [0.0] * 7 for p in prompts], np.float32)
+
+  trees = []
+  for i in range(40):
+    t = Tree([i % 2, 7])  # prompt [1, 7] succeeds, [0, 7] fails
+    t.root.feature = rs.randn(8).astype(np.float32)
+    t.add_node(0, done=True, reward=float(i % 2))
+    trees.append(t)
+  head = PredictorHead(8, 16, rngs=nnx.Rngs(0))
+  g, s = nnx.split(head)
+  tx = make_optimizers(UpdateConfig(predictor_lr=1e-2))[1]
+  fitter = PredictorFitter(g, tx, steps=60, bucket=64, root_features=root_features)
+  fitter.add(trees[:20])
+  fitter.add(trees[20:])
+  s, _, _ = fitter.fit(s, tx.init(s))
+  assert calls == [40]
+  p = np.asarray(nnx.merge(g, s).prob(root_features([[1, 7], [0, 7]])))
+  assert p[0] > 0.8 and p[1] < 0.2, p

@@ -133,7 +133,10 @@ def train(c, validate_fn=None) -> dict:
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
                            buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
                            weighting=c.rl.predictor_weighting,
-                           root_buffer_steps=c.rl.predictor_root_buffer_steps)
+                           root_buffer_steps=c.rl.predictor_root_buffer_steps,
+                           root_features=functools.partial(engine.prompt_features,
+                                                           count_prefill=False)
+                           if c.rl.predictor_refresh_roots else None)
 
   def fit_predictor(trees, steps=None):
     fitter.add(trees)

@@ -64,17 +64,23 @@ class PredictorFitter:
   counts as much as all its leaves together: the prefixes allocation reads first weigh most).
   `root_buffer_steps`: root nodes are one per prompt, a few dozen per step, so they may be kept for
   more steps than the other nodes (default: as many).
+  `root_features`: optional prompts -> f32[N, D] (the engine's `prompt_features`). When given, the
+  buffered roots are re-featurized under the current policy before every fit, so stage 1, which
+  reads root features of the current policy, is fit on features of that same policy rather than
+  of the policies that sampled them (a prompt is one cheap prefill).
   """
 
   def __init__(self, pred_graphdef, tx, steps: int = 50, buffer_steps: int = 4,
                max_rows: int = 8192, bucket: int = 1024, seed: int = 0,
-               weighting: str = "uniform", root_buffer_steps: int | None = None):
+               weighting: str = "uniform", root_buffer_steps: int | None = None,
+               root_features=None):
     if weighting not in ("uniform", "visits"):
       raise ValueError(f"weighting must be 'uniform' or 'visits', got {weighting!r}")
     self.graphdef, self.tx, self.steps, self.weighting = pred_graphdef, tx, steps, weighting
     self.buffer = collections.deque(maxlen=buffer_steps)
     self.roots = collections.deque(maxlen=max(root_buffer_steps or buffer_steps, buffer_steps))
     self.max_rows, self.bucket = max_rows, bucket
+    self.root_features = root_features
     self.rng = np.random.default_rng(seed)
 
   def add(self, trees) -> int:
@@ -82,14 +88,21 @@ class PredictorFitter:
     if len(y):
       w = n if self.weighting == "visits" else np.ones_like(y)
       self.buffer.append((x[~root], y[~root], w[~root]))
-      self.roots.append((x[root], y[root], w[root]))
+      prompts = [t.prompt_ids for t in trees
+                 if t.root.feature is not None and t.root.value is not None]
+      self.roots.append((x[root], y[root], w[root], prompts))
     return len(y)
 
   def fit(self, pred_state, opt_state, steps: int | None = None):
     """Returns (pred_state, opt_state, info) after `steps` full-batch steps on the buffer."""
     if not self.buffer:
       return pred_state, opt_state, {}
-    parts = [*self.buffer, *self.roots]
+    roots = list(self.roots)
+    if self.root_features is not None and any(len(r[3]) for r in roots):
+      fresh = np.asarray(self.root_features([p for r in roots for p in r[3]]), np.float32)
+      splits = np.cumsum([len(r[3]) for r in roots])[:-1]
+      roots = [(f, *r[1:]) for f, r in zip(np.split(fresh, splits), roots)]
+    parts = [*self.buffer, *roots]
     x = np.concatenate([b[0] for b in parts])
     y = np.concatenate([b[1] for b in parts])
     w = np.concatenate([b[2] for b in parts])

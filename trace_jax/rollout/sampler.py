@@ -100,11 +100,13 @@ class SamplerEngine:
            "features": self._features}
     return {k: getattr(f, "_cache_size", lambda: -1)() for k, f in fns.items()}
 
-  def prompt_features(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+  def prompt_features(self, prompts: Sequence[Sequence[int]],
+                      count_prefill: bool = True) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
     each prompt's last token (what the engine records as `tree.root.feature`). Batches of
     `prefill_batch` rows, lengths padded to the page-table buckets (in tokens). The prompt tokens
-    count as prefill in the ledger."""
+    count as prefill in the ledger unless `count_prefill` is False (work that is not sampling,
+    e.g. re-featurizing the predictor's training prompts)."""
     cfg = self.cfg
     rows = cfg.prefill_batch
     out = []
@@ -116,7 +118,8 @@ class SamplerEngine:
       for r, p in enumerate(chunk):
         tokens[r, :len(p)], lens[r] = p, len(p)
       out.append(np.asarray(self._features(self.state, tokens, lens))[:len(chunk)])
-      self.ledger.prefill_tokens += int(lens.sum())  # scoring prompts is prefill work too
+      if count_prefill:  # scoring prompts for allocation is prefill work too
+        self.ledger.prefill_tokens += int(lens.sum())
     d = self.model_cfg.hidden_size
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
