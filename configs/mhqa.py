@@ -74,7 +74,7 @@ def _base():
   c.rollout.prefix_budget = 32    # stage-2 continuations (in rollouts)
   c.rollout.max_per_anchor = 4
   c.rollout.budget_unit = "rollouts"  # rollouts | tokens (prefix allocation per expected cost)
-  c.rollout.tree_lambda = 0.1     # weight of extra contrast in already-mixed trees (trace_tree)
+  c.rollout.tree_lambda = 0.01    # weight of extra contrast in already-mixed trees (trace_tree)
   c.rollout.blend_prior = 0.0     # Beta-posterior blending strength of p̂ with outcomes (0 = off)
   c.rollout.dapo_oversample = 1.5  # dapo: prompts sampled per kept prompt
   c.rollout.arpo_entropy_top = 0.25  # arpo: share of candidate anchors with highest entropy
@@ -104,6 +104,7 @@ def _base():
   c.rl.predictor_fit_steps = 50    # extra full-batch predictor steps per RL step (0 = off)
   c.rl.predictor_buffer_steps = 4  # RL steps of node examples kept for that fit
   c.rl.predictor_root_buffer_steps = 4  # roots (one per prompt) may be kept longer
+  c.rl.predictor_refresh_roots = False  # re-featurize buffered roots under the current policy
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
 
