@@ -194,8 +194,8 @@ class RolloutDriver:
     stage1_mixed = float(np.mean([t.mixed for t in trees])) if trees else float("nan")
     extra = {}
     if trees:  # what the unmixed trees are: all failed, or all succeeded
-      best = [max(float(l.reward or 0.0) for l in t.leaves()) for t in trees]
-      worst = [min(float(l.reward or 0.0) for l in t.leaves()) for t in trees]
+      best = [max((float(l.reward or 0.0) for l in t.leaves()), default=0.0) for t in trees]
+      worst = [min((float(l.reward or 0.0) for l in t.leaves()), default=0.0) for t in trees]
       extra["stage1_all_fail"] = float(np.mean([b <= 0.5 for b in best]))
       extra["stage1_all_success"] = float(np.mean([w > 0.5 for w in worst]))
     if p_root is not None and use_predictor:  # what stage 1 expected, next to what it got
