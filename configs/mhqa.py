@@ -63,6 +63,7 @@ def _base():
   c.sft.lr = 3e-3
   c.sft.warmup = 50
   c.sft.min_lr_ratio = 0.05
+  c.sft.seed = -1            # warm-start seed (part of its cache key); -1: the run's seed
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 16

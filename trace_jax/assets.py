@@ -99,12 +99,22 @@ def build_model(c, vocab_size: int, mesh=None) -> Qwen3:
     overrides.update(hidden_size=c.model.hidden_size, num_layers=c.model.num_layers,
                      intermediate_size=c.model.intermediate_size)
   cfg = get_preset(c.model.preset, **overrides)
-  return Qwen3(cfg, rngs=nnx.Rngs(c.seed))
+  return Qwen3(cfg, rngs=nnx.Rngs(sft_seed(c)))  # the init only matters to the warm start
+
+
+def sft_seed(c) -> int:
+  """Seed of the warm start (model init, expert traces, packing, order): `sft.seed`, or the run's
+  seed when that is negative. A fixed `sft.seed` lets RL seeds share one warm start."""
+  s = c.sft.get("seed", -1)
+  return int(c.seed if s is None or s < 0 else s)
 
 
 def warm_start_key(c) -> str:
-  blob = json.dumps({"world": c.world.to_dict(), "model": c.model.to_dict(), "sft": c.sft.to_dict(),
-                     "env": c.env.to_dict(), "topk": c.retriever.topk, "v": 2}, sort_keys=True)
+  """Cache key of the warm start: everything that changes it, the effective seed included."""
+  sft = {k: v for k, v in c.sft.to_dict().items() if k != "seed"}
+  blob = json.dumps({"world": c.world.to_dict(), "model": c.model.to_dict(), "sft": sft,
+                     "seed": sft_seed(c), "env": c.env.to_dict(), "topk": c.retriever.topk,
+                     "v": 3}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -121,14 +131,15 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
     log.info("warm start restored from %s", d)
     return params, dict(meta, cached=True, path=d)
   t0 = time.time()
-  recs = make_sft_dataset(assets.world, c.sft.num_traces, np.random.default_rng(c.seed))
+  seed = sft_seed(c)
+  recs = make_sft_dataset(assets.world, c.sft.num_traces, np.random.default_rng(seed))
   seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
   row_len = c.sft.row_len
-  packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(c.seed)),
+  packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),
                             row_len // 2)
   cfg = SFTConfig(steps=c.sft.steps, batch_rows=c.sft.batch_rows, lr=c.sft.lr,
                   warmup=c.sft.warmup, min_lr_ratio=c.sft.min_lr_ratio)
-  params, hist = sft_train(graphdef, params, packed, cfg, seed=c.seed, log=log_fn)
+  params, hist = sft_train(graphdef, params, packed, cfg, seed=seed, log=log_fn)
   info = dict(steps=c.sft.steps, traces=len(recs),
               expert_success=float(np.mean([r.trace.correct for r in recs])),
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),

@@ -1,0 +1,37 @@
+"""The warm start's cache key covers everything that changes the warm start, the seed included."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+
+import mhqa  # noqa: E402
+
+from trace_jax.assets import sft_seed, warm_start_key  # noqa: E402
+
+
+def _cfg(**overrides):
+  c = mhqa.get_config("smoke")
+  for dotted, v in overrides.items():
+    node = c
+    *path, last = dotted.split("__")
+    for k in path:
+      node = node[k]
+    node[last] = v
+  return c
+
+
+def test_the_run_seed_picks_the_warm_start_unless_sft_seed_is_set():
+  assert sft_seed(_cfg(seed=3)) == 3
+  assert sft_seed(_cfg(seed=3, sft__seed=0)) == 0
+  assert warm_start_key(_cfg(seed=0)) != warm_start_key(_cfg(seed=1))
+  # A fixed sft.seed shares one warm start across RL seeds, the same one as that run seed's own.
+  assert warm_start_key(_cfg(seed=1, sft__seed=0)) == warm_start_key(_cfg(seed=0))
+  assert warm_start_key(_cfg(seed=2, sft__seed=0)) == warm_start_key(_cfg(seed=1, sft__seed=0))
+
+
+def test_rl_settings_do_not_touch_the_warm_start():
+  base = warm_start_key(_cfg())
+  assert warm_start_key(_cfg(method="grpo", rl__lr=1e-5, rollout__tree_lambda=0.5)) == base
+  assert warm_start_key(_cfg(sft__steps=9)) != base
