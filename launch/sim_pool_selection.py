@@ -34,10 +34,10 @@ def main(argv):
   import jax
   import numpy as np
 
-  from trace_jax.rollout.allocation import allocate_roots_subset
+  from trace_jax.rollout.allocation import allocate_roots_subset, root_value
 
   def v_root(p, m):
-    return np.where(m > 0, 1 - p**m - (1 - p) ** m, 0.0)
+    return np.asarray(root_value(p, m), np.float64)
 
   rng = np.random.default_rng(0)
   mean = _MEAN.value

@@ -208,8 +208,9 @@ class RolloutDriver:
     k, p_pref = self._prefix_counts(trees, cands, use_predictor)
     forks = []
     before = {}
+    unmixed = [not t.mixed for t in trees]  # stage-1 state, once per tree
     extra["continuations_unmixed_trees"] = int(sum(kk for (ti, _), kk in zip(cands, k)
-                                                   if not trees[ti].mixed))
+                                                   if unmixed[ti]))
     for j, ((ti, nid), kk) in enumerate(zip(cands, k)):
       if p_pref is not None:
         trees[ti].nodes[nid].p_hat = float(p_pref[j])
