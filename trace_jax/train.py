@@ -1,17 +1,32 @@
-"""The TRACE training loop as a library: `train(config) -> summary`.
+"""The TRACE training loop as composable steps, and `train(config) -> summary` driving them.
 
-Sections: setup (workdir, mesh) -> data and model -> warm start -> sampler and driver -> update
-step -> checkpoint/resume -> loop (sample, batch, update, evaluate) -> summary and plots.
+Sections, in the order a notebook calls them:
+
+  run = build(c)                        # setup, data and model, warm start, sampler, update step
+  state = restore(run) or init_state(run)
+  state = start(run, state)             # greedy eval before RL and the warm-start probe
+  for _ in range(state.step, c.rl.steps):
+    sample, rec = sample_step(run, state)           # stage 1 + stage 2 rollouts of one RL step
+    state, rec = update_step(run, state, sample, rec)  # predictor fit, packing, the jitted update
+    state = evaluate_step(run, state) if due        # greedy held-out EM
+    save(run, state) if due
+  summary = finish(run, state)
+
+`Run` holds what is built once (model graph, engine, driver, jitted functions, writers); `LoopState`
+holds everything that changes from step to step, device arrays and host bookkeeping alike. Each step
+function takes the state and returns the new one; nothing is read through a hidden holder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import os
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +43,14 @@ from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
-from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.predictor_fit import PredictorFitter
+from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
                                  make_optimizers)
 from trace_jax.rollout import strategies
-from trace_jax.rollout.driver import DriverConfig, RolloutDriver, dapo_prompts
+from trace_jax.rollout.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
-from trace_jax.rollout.sampler import SamplerEngine
+from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
 from trace_jax.rollout.sampler_config import sampler_config_from
 
 log = logging.getLogger(__name__)
@@ -67,12 +82,54 @@ def _workdir(c) -> str:
   return os.path.join("runs", f"{c.variant}-{c.method}-seed{c.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def train(c, validate_fn=None) -> dict:
-  """Runs warm start (synthetic world) and RL with the configured method; returns the summary."""
+@dataclasses.dataclass
+class Run:
+  """What a run builds once. The engine, driver and fitter keep host-side state of their own
+  (rng streams, the predictor's replay buffer); `host_state`/`load_host_state` read and set it so
+  a checkpoint holds everything that decides the future."""
+  c: Any
+  workdir: str
+  mesh: Any
+  assets: Any
+  graphdef: Any
+  pred_graphdef: Any
+  engine: SamplerEngine
+  driver: RolloutDriver
+  fitter: PredictorFitter
+  update: Callable            # jitted (train_state, batch) -> (train_state, metrics)
+  predict: Callable           # (pred_params, features f32[N, D]) -> p̂ f32[N]
+  writer: MetricWriter
+  ckpt: Checkpointer
+  ref_params: Any             # frozen reference policy (only when rl.kl_coef > 0)
+  init_params: Any            # policy after the warm start (RL starts here)
+  init_pred_params: Any
+  ucfg: UpdateConfig
+  warm_start: dict
+  synthetic: bool
+  t_start: float
+
+
+@dataclasses.dataclass
+class LoopState:
+  """Everything that changes during RL. `train` is the device pytree the jitted update takes
+  (params, opt, pred_params, pred_opt, step, skipped); the rest is host bookkeeping."""
+  train: dict
+  step: int = 0                      # RL steps done
+  totals: dict = dataclasses.field(default_factory=lambda: dict(
+      generated_tokens=0, rollouts=0, prefill_tokens=0, tool_calls=0))
+  evals: dict = dataclasses.field(default_factory=dict)   # str(step) -> greedy EM
+  predictions: list = dataclasses.field(default_factory=list)  # (stage, p̂, outcome)
+  er_hist: list = dataclasses.field(default_factory=list)
+  probe: dict | None = None          # the warm-start probe (first run only)
+
+
+# ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
+def build(c, validate_fn=None) -> Run:
+  """Builds the run of config `c`: workdir, mesh, data and model, the warm start (synthetic world),
+  the sampler engine and rollout driver, the predictor fitter and the jitted update step."""
   t_start = time.time()
   if validate_fn is not None:
     validate_fn(c)
-  # ---- setup ------------------------------------------------------------------------------------
   initialize()
   workdir = _workdir(c)
   os.makedirs(workdir, exist_ok=True)
@@ -80,9 +137,7 @@ def train(c, validate_fn=None) -> dict:
     f.write(c.to_json_best_effort(indent=1))
   mesh = make_mesh(c.mesh)
   writer = MetricWriter(workdir)
-  rng = np.random.default_rng(c.seed)
 
-  # ---- data and model ---------------------------------------------------------------------------
   synthetic = not c.variant.startswith("qwen3")
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
@@ -92,7 +147,6 @@ def train(c, validate_fn=None) -> dict:
   print(f"[trace_jax] workdir {workdir}; model {sum(x.size for x in jax.tree.leaves(params)):,} "
         f"params; {len(assets.train)} train / {len(assets.test)} test prompts", flush=True)
 
-  # ---- warm start -------------------------------------------------------------------------------
   ws_info = {}
   if synthetic:
     def ws_log(i, m):
@@ -102,34 +156,27 @@ def train(c, validate_fn=None) -> dict:
     print(f"[trace_jax] warm start {how} ({ws_info.get('steps')} steps trained in "
           f"{ws_info.get('seconds', 0):.0f}s)", flush=True)
 
-  # ---- sampler, environment and driver ----------------------------------------------------------
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                     topk=c.retriever.topk)
   r = c.rollout
-  scfg = sampler_config_from(c)
-  engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
+  engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
   predict = make_predictor(pred_graphdef)
-  holder = {"pred": pred_params}  # the driver reads the predictor's latest state
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
                       prompts_per_step=r.prompts_per_step,
                       max_per_anchor=r.max_per_anchor, budget_unit=r.budget_unit,
                       tree_lambda=r.tree_lambda, blend_prior=r.blend_prior,
                       dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
-  driver = RolloutDriver(engine, dcfg, lambda f: predict(holder["pred"], f),
-                         engine.prompt_features, seed=c.seed)
+  # The driver's predictor is set from the loop state at every sample_step.
+  driver = RolloutDriver(engine, dcfg, None, engine.prompt_features, seed=c.seed)
 
-  # ---- update step ------------------------------------------------------------------------------
   ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
                       eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
                       entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
                       micro_batches=c.rl.micro_batches, temperature=1.0)
-  dp = mesh.shape["data"] * mesh.shape["fsdp"]
   if mesh.size > 1:  # parameters born in their logical sharding; optimizer states follow them
     params = shard_state(params, mesh)
-  state = init_train_state(params, pred_params, ucfg)
-  update = jit_update_step(graphdef, pred_graphdef, ucfg)
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
                            buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
                            weighting=c.rl.predictor_weighting,
@@ -137,151 +184,232 @@ def train(c, validate_fn=None) -> dict:
                            root_features=functools.partial(engine.prompt_features,
                                                            count_prefill=False)
                            if c.rl.predictor_refresh_roots else None)
-
-  def fit_predictor(trees, steps=None):
-    fitter.add(trees)
-    if not c.rl.predictor_fit_steps:
-      return {}
-    ps, po, info = fitter.fit(state["pred_params"], state["pred_opt"], steps)
-    state["pred_params"], state["pred_opt"] = ps, po
-    holder["pred"] = ps
-    return info
   ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
-
-  # ---- checkpoint / resume ----------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.ckpt.max_to_keep)
-  start, meta = 0, {}
-  if ckpt.latest_step() is not None:
-    state, meta = ckpt.restore(state)
-    start = int(meta["step"])
-    print(f"[trace_jax] resumed at step {start} from {ckpt.directory}", flush=True)
-  totals = dict(meta.get("totals", {"generated_tokens": 0, "rollouts": 0, "prefill_tokens": 0,
-                                    "tool_calls": 0}))
-  predictions = list(meta.get("predictions", []))
-  holder["pred"] = state["pred_params"]
-  engine.update_params(state["params"])
+  return Run(c=c, workdir=workdir, mesh=mesh, assets=assets, graphdef=graphdef,
+             pred_graphdef=pred_graphdef, engine=engine, driver=driver, fitter=fitter,
+             update=jit_update_step(graphdef, pred_graphdef, ucfg), predict=predict,
+             writer=writer, ckpt=ckpt, ref_params=ref_params, init_params=params,
+             init_pred_params=pred_params, ucfg=ucfg, warm_start=ws_info, synthetic=synthetic,
+             t_start=t_start)
 
-  def run_eval(step):
-    n = min(c.eval.size, len(assets.test))
-    res = evaluate(engine, assets.test[:n])
-    rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
-           "generated_tokens_total": totals["generated_tokens"]}
-    rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
-    writer.write(step, rec)
-    return res
 
-  evals = meta.get("evals", {})
-  if start == 0 and "0" not in evals:
-    res = run_eval(0)
-    evals["0"] = res["em"]
+def init_state(run: Run) -> LoopState:
+  """The state before the first RL step: warm-started policy, fresh optimizers and predictor."""
+  return LoopState(train=init_train_state(run.init_params, run.init_pred_params, run.ucfg))
+
+
+# ---- checkpoint / resume -----------------------------------------------------------------------
+def save(run: Run, state: LoopState) -> None:
+  """Checkpoints the device state and the host bookkeeping at `state.step`."""
+  run.ckpt.save(state.step, state.train, dict(
+      step=state.step, totals=state.totals, evals=state.evals,
+      predictions=state.predictions[-20000:], er_hist=state.er_hist,
+      warm_start_probe=state.probe))
+
+
+def restore(run: Run) -> LoopState | None:
+  """The state of the latest checkpoint in the run's workdir, or None when there is none."""
+  if run.ckpt.latest_step() is None:
+    return None
+  target = init_state(run)
+  train_state, meta = run.ckpt.restore(target.train)
+  state = LoopState(train=train_state, step=int(meta["step"]),
+                    totals=dict(meta.get("totals", target.totals)),
+                    evals=dict(meta.get("evals", {})),
+                    predictions=list(meta.get("predictions", [])),
+                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"))
+  print(f"[trace_jax] resumed at step {state.step} from {run.ckpt.directory}", flush=True)
+  return state
+
+
+# ---- evaluation and the warm-start probe --------------------------------------------------------
+def evaluate_step(run: Run, state: LoopState) -> LoopState:
+  """Greedy EM on the held-out prompts with the state's policy; recorded at `state.step`."""
+  c, step = run.c, state.step
+  run.engine.update_params(state.train["params"])
+  res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))])
+  rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
+         "generated_tokens_total": state.totals["generated_tokens"]}
+  rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
+  run.writer.write(step, rec)
+  if step == 0:
     print(f"[trace_jax] greedy EM before RL: {res['em']:.3f} by hops {res['em_by_hops']}",
           flush=True)
-    if synthetic:  # does a misleading search really lower what follows? (warm-started policy)
-      probe = [assets.train[i]
-               for i in rng.choice(len(assets.train), c.eval.probe_prompts, replace=False)]
-      from trace_jax.rollout.sampler import PromptRequest
-      trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
-      sig = prefix_signal(trees, assets.world)
-      tm0 = tree_metrics(trees)
-      sig["mixed_share_8"], sig["sampled_success"] = tm0["effective_ratio"], tm0["reward_mean"]
-      # The probe's rollouts also give the predictor a head start before its first allocation.
-      sig.update(fit_predictor(trees, steps=c.rl.predictor_warm_steps))
-      engine.release(trees)
-      meta["warm_start_probe"] = sig
-      writer.write(0, {f"probe_{k}": v for k, v in sig.items()})
-      print(f"[trace_jax] warm-start probe: {json.dumps(sig)}", flush=True)
+  else:
+    print(f"\n[trace_jax] step {step}: greedy EM {res['em']:.3f} {res['em_by_hops']}", flush=True)
+  return dataclasses.replace(state, evals={**state.evals, str(step): res["em"]})
 
-  # ---- loop -------------------------------------------------------------------------------------
-  order = rng.permutation(len(assets.train))
-  bar = tqdm(range(start, c.rl.steps), desc=f"RL ({c.method})", initial=start, total=c.rl.steps)
-  er_hist = list(meta.get("er_hist", []))
-  n_prompts = step_prompts(c)
-  for step in bar:
-    t0 = time.time()
-    idx = [order[(step * n_prompts + j) % len(order)] for j in range(n_prompts)]
-    examples = [assets.train[i] for i in idx]
-    use_pred = step >= c.rl.predictor_warmup_steps
-    sample = driver.sample(examples, use_predictor=use_pred)
-    t_sample = time.time() - t0
-    if use_pred:
-      predictions += [list(p) for p in sample.predictions]
-    tm = tree_metrics(sample.all_trees)
-    er_hist.append(tm["effective_ratio"])
-    seqs, flat, _ = build_sequences(sample.trees, c.rl.advantage, c.env.max_turns + 2,
-                                    c.rl.normalize_std)
-    for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
-      totals[k.replace("_started", "")] = totals.get(k.replace("_started", ""), 0) + \
-          sample.info.get(f"ledger_{k}", 0)
-    fit_info = fit_predictor(sample.all_trees)
-    engine.release(sample.all_trees)
-    rec = dict(**fit_info, effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
-               leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
-               sample_seconds=t_sample, **{k: v for k, v in sample.info.items()
-                                          if isinstance(v, (int, float))},
-               generated_tokens_total=totals["generated_tokens"],
-               rollouts_total=totals["rollouts"])
-    if seqs:
-      batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
-                                num_rows=_bucket(c.rl.train_rows, math.lcm(c.rl.micro_batches, dp)))
-      if mesh.size > 1:
-        batch = shard_batch(batch, mesh)
-      if ref_params is not None:
-        batch["ref_logp"] = _ref_logprobs(graphdef, ref_params, batch)
-      t1 = time.time()
-      state, m = update(state, batch)
-      m = jax.device_get(m)
-      rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
-                 **{f"batch_{k}": v for k, v in binfo.items()})
-      holder["pred"] = state["pred_params"]
-      engine.update_params(state["params"])
-    else:
-      rec["empty_batch"] = 1.0
-    rec["skipped_steps"] = int(state["skipped"])
-    writer.write(step + 1, rec)
-    bar.set_postfix(er=f"{tm['effective_ratio']:.2f}", r=f"{tm['reward_mean']:.2f}")
-    if (step + 1) % c.eval.every == 0 or step + 1 == c.rl.steps:
-      res = run_eval(step + 1)
-      evals[str(step + 1)] = res["em"]
-      print(f"\n[trace_jax] step {step + 1}: greedy EM {res['em']:.3f} {res['em_by_hops']}",
-            flush=True)
-    if (step + 1) % c.ckpt.every == 0 or step + 1 == c.rl.steps:
-      ckpt.save(step + 1, state, dict(step=step + 1, totals=totals, evals=evals,
-                                      predictions=predictions[-20000:], er_hist=er_hist,
-                                      warm_start_probe=meta.get("warm_start_probe")))
 
-  # ---- summary ----------------------------------------------------------------------------------
-  pred_rep = {}
-  calib = None
-  if predictions:
-    p = np.asarray([x[1] for x in predictions])
-    y = np.asarray([x[2] for x in predictions])
+def _fit_predictor(run: Run, train_state: dict, trees, steps=None) -> tuple[dict, dict]:
+  """Adds the trees' prefix examples to the replay buffer and fits the head on it."""
+  run.fitter.add(trees)
+  if not run.c.rl.predictor_fit_steps:
+    return train_state, {}
+  ps, po, info = run.fitter.fit(train_state["pred_params"], train_state["pred_opt"], steps)
+  return dict(train_state, pred_params=ps, pred_opt=po), info
+
+
+def probe_warm_start(run: Run, state: LoopState) -> LoopState:
+  """Does a misleading search really lower what follows (warm-started policy)? Samples 8 rollouts
+  of `eval.probe_prompts` train prompts; their trees also give the predictor a head start."""
+  c, engine = run.c, run.engine
+  idx, _ = _prompt_plan(c.seed, c.eval.probe_prompts, len(run.assets.train))
+  probe = [run.assets.train[i] for i in idx]
+  engine.update_params(state.train["params"])
+  trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
+  sig = prefix_signal(trees, run.assets.world)
+  tm0 = tree_metrics(trees)
+  sig["mixed_share_8"], sig["sampled_success"] = tm0["effective_ratio"], tm0["reward_mean"]
+  train_state, fit_info = _fit_predictor(run, state.train, trees, steps=c.rl.predictor_warm_steps)
+  sig.update(fit_info)
+  engine.release(trees)
+  run.writer.write(0, {f"probe_{k}": v for k, v in sig.items()})
+  print(f"[trace_jax] warm-start probe: {json.dumps(sig)}", flush=True)
+  return dataclasses.replace(state, train=train_state, probe=sig)
+
+
+def start(run: Run, state: LoopState) -> LoopState:
+  """Before the first RL step of a fresh run: greedy EM of the warm start and the probe."""
+  if state.step == 0 and "0" not in state.evals:
+    state = evaluate_step(run, state)
+    if run.synthetic:
+      state = probe_warm_start(run, state)
+  return state
+
+
+# ---- one RL step ---------------------------------------------------------------------------------
+def step_examples(run: Run, step: int) -> list[dict]:
+  """The prompts drawn at RL step `step` (a pure function of the seed and the step)."""
+  _, order = _prompt_plan(run.c.seed, run.c.eval.probe_prompts, len(run.assets.train))
+  n = step_prompts(run.c)
+  return [run.assets.train[order[(step * n + j) % len(order)]] for j in range(n)]
+
+
+@functools.lru_cache(maxsize=4)
+def _prompt_plan(seed: int, probe_prompts: int, n_train: int):
+  """(probe prompt indices, prompt order), both drawn from the run's seed in this order, so a
+  fresh run and every resume of it see the same prompts in the same order."""
+  rng = np.random.default_rng(seed)
+  probe = rng.choice(n_train, probe_prompts, replace=False)
+  return probe, rng.permutation(n_train)
+
+
+def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
+  """Samples the trees of RL step `state.step` with the state's policy and predictor. Returns the
+  driver's StepSample and the step's record so far (effective ratio, ledger, driver info)."""
+  c = run.c
+  t0 = time.time()
+  use_pred = state.step >= c.rl.predictor_warmup_steps
+  run.engine.update_params(state.train["params"])
+  run.driver.predict = functools.partial(run.predict, state.train["pred_params"])
+  sample = run.driver.sample(step_examples(run, state.step), use_predictor=use_pred)
+  tm = tree_metrics(sample.all_trees)
+  rec = dict(effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
+             leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
+             sample_seconds=time.time() - t0,
+             **{k: v for k, v in sample.info.items() if isinstance(v, (int, float))})
+  return sample, rec
+
+
+def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None = None
+                ) -> tuple[LoopState, dict]:
+  """Fits the predictor on the step's trees, packs the trained trees into rows and runs the jitted
+  update. Releases the trees' KV pages. Returns the state after step `state.step` and its record."""
+  c = run.c
+  rec = dict(rec or {})
+  use_pred = state.step >= c.rl.predictor_warmup_steps
+  predictions = state.predictions + ([list(p) for p in sample.predictions] if use_pred else [])
+  er_hist = state.er_hist + [tree_metrics(sample.all_trees)["effective_ratio"]]
+  totals = dict(state.totals)
+  for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
+    key = k.replace("_started", "")
+    totals[key] = totals.get(key, 0) + sample.info.get(f"ledger_{k}", 0)
+  seqs, _, _ = build_sequences(sample.trees, c.rl.advantage, c.env.max_turns + 2,
+                               c.rl.normalize_std)
+  train_state, fit_info = _fit_predictor(run, state.train, sample.all_trees)
+  run.engine.release(sample.all_trees)
+  rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
+             rollouts_total=totals["rollouts"])
+  if seqs:
+    dp = run.mesh.shape["data"] * run.mesh.shape["fsdp"]
+    batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
+                              num_rows=_bucket(c.rl.train_rows, math.lcm(c.rl.micro_batches, dp)))
+    if run.mesh.size > 1:
+      batch = shard_batch(batch, run.mesh)
+    if run.ref_params is not None:
+      batch["ref_logp"] = _ref_logprobs(run.graphdef, run.ref_params, batch)
+    t1 = time.time()
+    train_state, m = run.update(train_state, batch)
+    m = jax.device_get(m)
+    rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
+               **{f"batch_{k}": v for k, v in binfo.items()})
+  else:
+    rec["empty_batch"] = 1.0
+  rec["skipped_steps"] = int(train_state["skipped"])
+  state = dataclasses.replace(state, train=train_state, step=state.step + 1, totals=totals,
+                              predictions=predictions, er_hist=er_hist)
+  run.writer.write(state.step, rec)
+  return state, rec
+
+
+# ---- summary -------------------------------------------------------------------------------------
+def finish(run: Run, state: LoopState) -> dict:
+  """Writes summary.json and the plots of the run; returns the summary."""
+  c = run.c
+  pred_rep, calib = {}, None
+  if state.predictions:
+    p = np.asarray([x[1] for x in state.predictions])
+    y = np.asarray([x[2] for x in state.predictions])
     pred_rep = predictor_report(p, y)
-    stage = np.asarray([x[0] for x in predictions])
+    stage = np.asarray([x[0] for x in state.predictions])
     for st in ("root", "prefix"):  # stage 1 and stage 2 read different prefixes; report each
       if (stage == st).sum() > 1:
         pred_rep[st] = predictor_report(p[stage == st], y[stage == st])
     cc = calibration_curve(p, y)
     calib = {"bins": {k: np.asarray(v).tolist() for k, v in cc.items()}, "ece": pred_rep["ece"]}
-  records = read_jsonl(writer.path)
-  plots = plot_run(workdir, records, calib)
+  plots = plot_run(run.workdir, read_jsonl(run.writer.path), calib)
+  evals = state.evals
   first = sorted(evals, key=int)[0] if evals else None
   last = sorted(evals, key=int)[-1] if evals else None
+  led = run.engine.ledger
   summary = dict(method=c.method, seed=c.seed, variant=c.variant, steps=c.rl.steps,
-                 accuracy_start=evals.get(first, float("nan")) if first else float("nan"),
-                 accuracy_final=evals.get(last, float("nan")) if last else float("nan"),
-                 effective_ratio=float(np.mean(er_hist)) if er_hist else float("nan"),
-                 generated_tokens=int(totals["generated_tokens"]),
-                 rollouts=int(totals["rollouts"]), prefill_tokens=int(totals["prefill_tokens"]),
-                 tool_calls=int(totals["tool_calls"]), skipped_steps=int(state["skipped"]),
-                 wall_seconds=time.time() - t_start, workdir=workdir,
-                 evals=evals, predictor=pred_rep, warm_start=ws_info,
-                 warm_start_probe=meta.get("warm_start_probe"), plots=plots,
-                 slot_utilization=engine.ledger.busy_slot_steps /
-                 max(engine.ledger.total_slot_steps, 1))
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
+                 accuracy_start=evals[first] if first else float("nan"),
+                 accuracy_final=evals[last] if last else float("nan"),
+                 effective_ratio=float(np.mean(state.er_hist)) if state.er_hist else float("nan"),
+                 generated_tokens=int(state.totals["generated_tokens"]),
+                 rollouts=int(state.totals["rollouts"]),
+                 prefill_tokens=int(state.totals["prefill_tokens"]),
+                 tool_calls=int(state.totals["tool_calls"]),
+                 skipped_steps=int(state.train["skipped"]),
+                 wall_seconds=time.time() - run.t_start, workdir=run.workdir,
+                 evals=evals, predictor=pred_rep, warm_start=run.warm_start,
+                 warm_start_probe=state.probe, plots=plots,
+                 slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1))
+  with open(os.path.join(run.workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
-  writer.close()
   print("\n" + format_summary(summary), flush=True)
+  return summary
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+def train(c, validate_fn=None) -> dict:
+  """Runs warm start (synthetic world) and RL with the configured method; returns the summary."""
+  run = build(c, validate_fn)
+  state = restore(run) or init_state(run)
+  state = start(run, state)
+  bar = tqdm(range(state.step, c.rl.steps), desc=f"RL ({c.method})", initial=state.step,
+             total=c.rl.steps)
+  for _ in bar:
+    sample, rec = sample_step(run, state)
+    state, rec = update_step(run, state, sample, rec)
+    bar.set_postfix(er=f"{rec['effective_ratio']:.2f}", r=f"{rec['reward_mean']:.2f}")
+    if state.step % c.eval.every == 0 or state.step == c.rl.steps:
+      state = evaluate_step(run, state)
+    if state.step % c.ckpt.every == 0 or state.step == c.rl.steps:
+      save(run, state)
+  summary = finish(run, state)
+  run.writer.close()
   return summary
 
 
@@ -314,4 +442,6 @@ def _ref_logprobs(graphdef, ref_params, batch):
   return np.asarray(f(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"]))
 
 
-__all__ = ["train", "make_predictor"]
+__all__ = ["LoopState", "Run", "build", "evaluate_step", "finish", "init_state", "make_predictor",
+           "probe_warm_start", "restore", "sample_step", "save", "start", "step_examples",
+           "step_prompts", "train", "update_step"]
