@@ -108,11 +108,14 @@ def _base():
   c.rl.predictor_refresh_roots = False  # re-featurize buffered roots under the current policy
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
+  c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
+  c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 10
   c.eval.size = 300
   c.eval.probe_prompts = 32  # train prompts x 8 samples probing the warm start (prefix signal)
+  c.eval.stop_on_collapse = True  # stop when held-out EM falls to 0 from a positive start
 
   c.ckpt = ml_collections.ConfigDict()
   c.ckpt.every = 10

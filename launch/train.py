@@ -6,6 +6,9 @@
   python launch/train.py --config=configs/mhqa.py:qwen3_14b --config.model.path=/ckpt/Qwen3-14B \
       --config.data.train_path=/data/train.parquet --config.data.test_path=/data/test.parquet \
       --config.retriever.url=http://127.0.0.1:8000
+
+Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after checkpointing its last step (rerun the
+same command to resume); 70 stopped on divergence (the last good checkpoint is kept); 1 an error.
 """
 
 import logging
@@ -20,6 +23,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+EXIT_PREEMPTED, EXIT_DIVERGED = 75, 70
+
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: a new folder in runs/)")
@@ -29,14 +34,21 @@ def main(argv):
   del argv
   import mhqa  # the config module, for validation of paths and budgets
 
-  from trace_jax.train import train
+  from trace_jax.train import Diverged, Preempted, train
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)  # checkpoint libraries log every save at INFO
   c = _CONFIG.value
   if _WORKDIR.value:
     c.workdir = _WORKDIR.value
-  train(c, validate_fn=mhqa.validate)
+  try:
+    train(c, validate_fn=mhqa.validate)
+  except Preempted as e:
+    print(f"[trace_jax] preempted: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_PREEMPTED)
+  except Diverged as e:
+    print(f"[trace_jax] stopped: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_DIVERGED)
 
 
 if __name__ == "__main__":

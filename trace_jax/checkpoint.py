@@ -7,6 +7,8 @@ arrays come back directly in their target sharding, on any mesh.
 
 from __future__ import annotations
 
+import base64
+import collections
 import os
 from typing import Any
 
@@ -75,4 +77,29 @@ def jsonable(x):
     return float(x)
   if isinstance(x, np.ndarray):
     return x.tolist()
+  return x
+
+
+def encode_host(x):
+  """Host state (nested dicts, lists, tuples and deques of numpy arrays and scalars) as JSON
+  values, arrays bit-exact (base64 of their bytes), for a checkpoint's metadata."""
+  if isinstance(x, np.ndarray):
+    return {"__ndarray__": base64.b64encode(np.ascontiguousarray(x).tobytes()).decode("ascii"),
+            "dtype": x.dtype.str, "shape": list(x.shape)}
+  if isinstance(x, dict):
+    return {str(k): encode_host(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple, collections.deque)):
+    return [encode_host(v) for v in x]
+  return jsonable(x)
+
+
+def decode_host(x):
+  """Inverse of `encode_host` (tuples and deques come back as lists)."""
+  if isinstance(x, dict):
+    if "__ndarray__" in x:
+      raw = base64.b64decode(x["__ndarray__"])
+      return np.frombuffer(raw, dtype=np.dtype(x["dtype"])).reshape(x["shape"]).copy()
+    return {k: decode_host(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [decode_host(v) for v in x]
   return x

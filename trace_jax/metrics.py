@@ -42,6 +42,13 @@ class MetricWriter:
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
 
+  def truncate(self, last_step: int) -> int:
+    """Drops records after `last_step` (see `truncate_jsonl`); later writes append after them."""
+    self._f.close()
+    dropped = truncate_jsonl(self.path, last_step)
+    self._f = open(self.path, "a")
+    return dropped
+
   def close(self):
     self._f.close()
     if self._tb is not None:
@@ -54,8 +61,35 @@ def _json_default(x):
 
 
 def read_jsonl(path: str) -> list[dict]:
+  """Records of a JSONL file; a torn last line (a write cut by a crash) is skipped, not fatal."""
+  out = []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  for i, line in enumerate(lines):
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i != len(lines) - 1:
+        raise ValueError(f"{path}: line {i + 1} is not JSON (only a torn last line is repaired)")
+  return out
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+  """Keeps the records with `step <= last_step` (and drops a torn last line), rewriting the file
+  atomically. A resumed run calls it with its checkpoint's step, so a step written after that
+  checkpoint (the run died before the next one) is not recorded twice. Returns records dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    n_lines = sum(1 for line in f if line.strip())
+  keep = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r, default=_json_default) + "\n" for r in keep)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  return n_lines - len(keep)
 
 
 def plot_run(workdir: str, records: list[dict], calibration: dict | None = None) -> list[str]:

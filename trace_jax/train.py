@@ -25,17 +25,21 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from trace_jax import assets as assets_lib
-from trace_jax.checkpoint import Checkpointer
+from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
 from trace_jax.diagnostics import prefix_signal
 from trace_jax.envs.env import MultiHopEnv
 from trace_jax.evaluate import evaluate
@@ -54,6 +58,16 @@ from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
 from trace_jax.rollout.sampler_config import sampler_config_from
 
 log = logging.getLogger(__name__)
+
+
+class Preempted(RuntimeError):
+  """SIGTERM or SIGINT arrived: the run checkpointed its last finished step and stopped. Rerun the
+  same command (same workdir) to resume."""
+
+
+class Diverged(RuntimeError):
+  """The run stopped on a sign of divergence (consecutive skipped updates, exploding parameters,
+  held-out accuracy collapsed to zero); nothing was checkpointed after the first bad step."""
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -104,6 +118,7 @@ class Run:
   init_params: Any            # policy after the warm start (RL starts here)
   init_pred_params: Any
   ucfg: UpdateConfig
+  init_param_norm: float      # global norm of the warm-started policy (divergence reference)
   warm_start: dict
   synthetic: bool
   t_start: float
@@ -121,6 +136,7 @@ class LoopState:
   predictions: list = dataclasses.field(default_factory=list)  # (stage, p̂, outcome)
   er_hist: list = dataclasses.field(default_factory=list)
   probe: dict | None = None          # the warm-start probe (first run only)
+  skip_streak: int = 0               # consecutive updates skipped as non-finite
 
 
 # ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
@@ -185,41 +201,92 @@ def build(c, validate_fn=None) -> Run:
                                                            count_prefill=False)
                            if c.rl.predictor_refresh_roots else None)
   ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
+  if c.ckpt.every <= 0 or c.eval.every <= 0:
+    raise ValueError("ckpt.every and eval.every must be positive")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.ckpt.max_to_keep)
   return Run(c=c, workdir=workdir, mesh=mesh, assets=assets, graphdef=graphdef,
              pred_graphdef=pred_graphdef, engine=engine, driver=driver, fitter=fitter,
              update=jit_update_step(graphdef, pred_graphdef, ucfg), predict=predict,
              writer=writer, ckpt=ckpt, ref_params=ref_params, init_params=params,
-             init_pred_params=pred_params, ucfg=ucfg, warm_start=ws_info, synthetic=synthetic,
-             t_start=t_start)
+             init_pred_params=pred_params, ucfg=ucfg,
+             init_param_norm=float(_global_norm(params)), warm_start=ws_info,
+             synthetic=synthetic, t_start=t_start)
 
 
 def init_state(run: Run) -> LoopState:
-  """The state before the first RL step: warm-started policy, fresh optimizers and predictor."""
-  return LoopState(train=init_train_state(run.init_params, run.init_pred_params, run.ucfg))
+  """The state before the first RL step: warm-started policy, fresh optimizers and predictor.
+  On a mesh, every leaf lives on the mesh (parameters and moments in their sharding, scalars such
+  as optimizer counts replicated), so a restored state has the same placement as a fresh one."""
+  train_state = init_train_state(run.init_params, run.init_pred_params, run.ucfg)
+  if run.mesh.size > 1:
+    train_state = _place_on_mesh(train_state, run.mesh)
+  return LoopState(train=train_state)
+
+
+def _place_on_mesh(tree, mesh):
+  """Leaves already sharded on `mesh` stay; every other leaf is replicated over it."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(x):
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding) and sh.mesh == mesh:
+      return x
+    return jax.device_put(x, replicated)
+  return jax.tree.map(place, tree)
+
+
+@jax.jit
+def _global_norm(params):
+  return optax.tree.norm(params)
 
 
 # ---- checkpoint / resume -----------------------------------------------------------------------
 def save(run: Run, state: LoopState) -> None:
-  """Checkpoints the device state and the host bookkeeping at `state.step`."""
+  """Checkpoints the device state and the host bookkeeping at `state.step`: everything that decides
+  the future is in it (the predictor's replay buffer, the ledger), or derives from (seed, step)."""
   run.ckpt.save(state.step, state.train, dict(
-      step=state.step, totals=state.totals, evals=state.evals,
-      predictions=state.predictions[-20000:], er_hist=state.er_hist,
-      warm_start_probe=state.probe))
+      step=state.step, totals=state.totals, evals=state.evals, predictions=state.predictions,
+      er_hist=state.er_hist, warm_start_probe=state.probe, skip_streak=state.skip_streak,
+      host=encode_host(host_state(run))), force=True)
+
+
+def host_state(run: Run) -> dict:
+  """What the run's host objects carry from one step to the next: the predictor fitter's replay
+  buffers and the engine's ledger. (Rng streams are reseeded from (seed, step) at every step.)"""
+  return {"fitter_buffer": list(run.fitter.buffer), "fitter_roots": list(run.fitter.roots),
+          "ledger": run.engine.ledger.as_dict()}
+
+
+def load_host_state(run: Run, d: dict) -> None:
+  run.fitter.buffer.clear()
+  run.fitter.buffer.extend(tuple(e) for e in d["fitter_buffer"])
+  run.fitter.roots.clear()
+  run.fitter.roots.extend(tuple(e) for e in d["fitter_roots"])
+  for k, v in d["ledger"].items():
+    setattr(run.engine.ledger, k, v)
 
 
 def restore(run: Run) -> LoopState | None:
-  """The state of the latest checkpoint in the run's workdir, or None when there is none."""
+  """The state of the latest checkpoint in the run's workdir, or None when there is none. Every
+  leaf comes back in the placement of a fresh state (`init_state`). Metric records written after
+  that checkpoint (by a run that died before the next one) are dropped, so no step is recorded
+  twice; a torn last line is repaired."""
   if run.ckpt.latest_step() is None:
+    run.writer.truncate(-1)  # keep only the warm start's records
     return None
   target = init_state(run)
   train_state, meta = run.ckpt.restore(target.train)
   state = LoopState(train=train_state, step=int(meta["step"]),
                     totals=dict(meta.get("totals", target.totals)),
                     evals=dict(meta.get("evals", {})),
-                    predictions=list(meta.get("predictions", [])),
-                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"))
-  print(f"[trace_jax] resumed at step {state.step} from {run.ckpt.directory}", flush=True)
+                    predictions=[list(p) for p in meta.get("predictions", [])],
+                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"),
+                    skip_streak=int(meta.get("skip_streak", 0)))
+  if "host" in meta:
+    load_host_state(run, decode_host(meta["host"]))
+  dropped = run.writer.truncate(state.step)
+  print(f"[trace_jax] resumed at step {state.step} from {run.ckpt.directory}"
+        + (f" ({dropped} metric records after it dropped)" if dropped else ""), flush=True)
   return state
 
 
@@ -301,6 +368,11 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
   c = run.c
   t0 = time.time()
   use_pred = state.step >= c.rl.predictor_warmup_steps
+  # Every random choice of the step derives from (seed, step): a resumed run draws what an
+  # uninterrupted one draws, whatever ran before it in this process.
+  run.engine.set_uid_base((state.step + 1) << 20)
+  run.driver.rng = np.random.default_rng([c.seed, state.step, 1])
+  run.fitter.rng = np.random.default_rng([c.seed, state.step, 2])
   run.engine.update_params(state.train["params"])
   run.driver.predict = functools.partial(run.predict, state.train["pred_params"])
   sample = run.driver.sample(step_examples(run, state.step), use_predictor=use_pred)
@@ -344,13 +416,41 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     m = jax.device_get(m)
     rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
+    rec["param_norm"] = float(_global_norm(train_state["params"]))
   else:
     rec["empty_batch"] = 1.0
   rec["skipped_steps"] = int(train_state["skipped"])
+  skipped = rec.get("finite", 1.0) < 0.5
   state = dataclasses.replace(state, train=train_state, step=state.step + 1, totals=totals,
-                              predictions=predictions, er_hist=er_hist)
+                              predictions=predictions[-20000:], er_hist=er_hist,
+                              skip_streak=state.skip_streak + 1 if skipped else 0)
   run.writer.write(state.step, rec)
   return state, rec
+
+
+def check_divergence(run: Run, state: LoopState, rec: dict) -> None:
+  """Raises `Diverged` when the step's record shows the run going bad: `rl.max_consecutive_skips`
+  updates in a row skipped as non-finite, parameters grown past `rl.max_param_growth` times their
+  warm-start norm (or not finite), or, with `eval.stop_on_collapse`, held-out EM fallen to zero
+  from a positive start."""
+  c = run.c
+  latest = run.ckpt.latest_step()
+  keep = (f"the last checkpoint (step {latest}) is kept" if latest is not None
+          else "no checkpoint was written")
+  why = None
+  if state.skip_streak >= c.rl.max_consecutive_skips:
+    why = (f"{state.skip_streak} consecutive updates had non-finite loss, gradients or parameters "
+           f"and were skipped")
+  norm = rec.get("param_norm")
+  if norm is not None and not norm <= c.rl.max_param_growth * max(run.init_param_norm, 1e-6):
+    why = (f"the parameter norm reached {norm:.3g}, over rl.max_param_growth="
+           f"{c.rl.max_param_growth:g} x its warm-start norm {run.init_param_norm:.3g}")
+  em0, em = state.evals.get("0"), state.evals.get(str(state.step))
+  if c.eval.stop_on_collapse and "eval_em" in rec and em0 and em0 > 0 and em == 0:
+    why = f"held-out greedy EM collapsed from {em0:.3f} to 0 (eval.stop_on_collapse)"
+  if why:
+    raise Diverged(f"training diverged at RL step {state.step}: {why}; {keep} under "
+                   f"{run.ckpt.directory}. Lower rl.lr, or raise the limit if this is expected.")
 
 
 # ---- summary -------------------------------------------------------------------------------------
@@ -393,24 +493,64 @@ def finish(run: Run, state: LoopState) -> dict:
 
 
 # ---- the loop ----------------------------------------------------------------------------------
+class StopSignal:
+  """Turns SIGTERM/SIGINT into a flag the loop reads between steps (installed by `train` in the
+  main thread only); `requested` names the signal once one arrived."""
+
+  def __init__(self):
+    self.requested, self._old = None, {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.requested = signal.Signals(signum).name
+    print(f"\n[trace_jax] {self.requested}: finishing this step, then checkpointing", flush=True)
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
 def train(c, validate_fn=None) -> dict:
-  """Runs warm start (synthetic world) and RL with the configured method; returns the summary."""
-  run = build(c, validate_fn)
-  state = restore(run) or init_state(run)
-  state = start(run, state)
-  bar = tqdm(range(state.step, c.rl.steps), desc=f"RL ({c.method})", initial=state.step,
-             total=c.rl.steps)
-  for _ in bar:
-    sample, rec = sample_step(run, state)
-    state, rec = update_step(run, state, sample, rec)
-    bar.set_postfix(er=f"{rec['effective_ratio']:.2f}", r=f"{rec['reward_mean']:.2f}")
-    if state.step % c.eval.every == 0 or state.step == c.rl.steps:
-      state = evaluate_step(run, state)
-    if state.step % c.ckpt.every == 0 or state.step == c.rl.steps:
-      save(run, state)
-  summary = finish(run, state)
-  run.writer.close()
-  return summary
+  """Runs warm start (synthetic world) and RL with the configured method; returns the summary.
+
+  SIGTERM/SIGINT finish the current step, checkpoint it and raise `Preempted`; signs of divergence
+  raise `Diverged` without checkpointing the bad state (see `check_divergence`)."""
+  with StopSignal() as stop:
+    run = build(c, validate_fn)
+    state = restore(run) or init_state(run)
+    if stop.requested:
+      raise Preempted(f"{stop.requested} during setup; nothing to checkpoint")
+    state = start(run, state)
+    bar = tqdm(range(state.step, c.rl.steps), desc=f"RL ({c.method})", initial=state.step,
+               total=c.rl.steps)
+    for _ in bar:
+      if stop.requested:
+        break
+      sample, rec = sample_step(run, state)
+      state, rec = update_step(run, state, sample, rec)
+      bar.set_postfix(er=f"{rec['effective_ratio']:.2f}", r=f"{rec['reward_mean']:.2f}")
+      if state.step % c.eval.every == 0 or state.step == c.rl.steps:
+        state = evaluate_step(run, state)
+        rec = dict(rec, eval_em=state.evals[str(state.step)])
+      check_divergence(run, state, rec)
+      if state.step % c.ckpt.every == 0 or state.step == c.rl.steps or stop.requested:
+        save(run, state)
+    if stop.requested:
+      if run.ckpt.latest_step() != state.step:
+        save(run, state)
+      run.writer.close()
+      raise Preempted(f"{stop.requested}: checkpointed step {state.step} under "
+                      f"{run.ckpt.directory}; rerun the same command to resume")
+    summary = finish(run, state)
+    run.writer.close()
+    return summary
 
 
 def step_prompts(c) -> int:
@@ -442,6 +582,6 @@ def _ref_logprobs(graphdef, ref_params, batch):
   return np.asarray(f(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"]))
 
 
-__all__ = ["LoopState", "Run", "build", "evaluate_step", "finish", "init_state", "make_predictor",
+__all__ = ["Diverged", "LoopState", "Preempted", "Run", "build", "check_divergence", "evaluate_step", "finish", "init_state", "make_predictor",
            "probe_warm_start", "restore", "sample_step", "save", "start", "step_examples",
            "step_prompts", "train", "update_step"]

@@ -94,6 +94,12 @@ class SamplerEngine:
   def update_params(self, params_state) -> None:
     self.state = params_state
 
+  def set_uid_base(self, uid: int) -> None:
+    """Numbers the next trees from `uid`. Branch rng streams derive from (seed, tree uid, branch),
+    so a loop that sets a base per RL step makes each step's sampling a function of its step alone
+    (exact resume), whatever ran on the engine before (evaluation, probes)."""
+    self._next_uid = int(uid)
+
   def compile_counts(self) -> dict:
     """Compiled variants per jitted step (-1 where this jax version does not say)."""
     fns = {"decode": self._decode, "prefill": self._prefill, "copy": copy_pages,

@@ -1,0 +1,147 @@
+"""Exact resume, preemption and divergence, end to end through `launch/train.py` (smoke size).
+
+- A run stopped after step 2 and resumed to 3 (the smoke run of tests/test_train_smoke.py, with a
+  duplicate record and a torn line planted in its metrics before the resume, as a `kill -9` between
+  a step's metrics and its checkpoint leaves them) equals an uninterrupted 3-step run: the same
+  metric records and bit-identical parameters and predictor.
+- SIGTERM on 8 simulated devices: the run checkpoints its step, exits 75, and the rerun resumes on
+  the same multi-device host and finishes with each step recorded once.
+- lr=nan stops with exit 70 and no checkpoint of a bad state. (At smoke size every group is
+  unmixed, advantages are zero and no learning rate moves the policy, so exploding parameters,
+  lr=1e30, are tested on `check_divergence` directly.)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from test_train_smoke import ROOT, launch, launch_env, smoke_args, smoke_run
+
+TIMING = ("seconds", "wall")
+
+
+def records(workdir):
+  """RL and eval records without wall-clock timings, in file order."""
+  out = []
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    r = json.loads(line)
+    if r["step"] >= 0:
+      out.append({k: v for k, v in r.items() if not any(t in k for t in TIMING)})
+  return out
+
+
+def state_arrays(workdir, step):
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  tree = ocp.StandardCheckpointer().restore(path)
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def args_in(run, workdir, steps, *extra):
+  """The smoke run's arguments (same world and warm-start cache) with another workdir."""
+  base = os.path.dirname(run["workdir"])
+  return [*smoke_args(base, steps), f"--workdir={workdir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  return smoke_run(str(tmp_path_factory.mktemp("smoke")))
+
+
+@pytest.mark.slow
+def test_resumed_run_equals_uninterrupted_run(run, tmp_path):
+  whole = str(tmp_path / "whole")
+  p = launch("train.py", *args_in(run, whole, 3))
+  assert p.returncode == 0, p.stdout[-3000:]
+  assert "resumed at step" not in p.stdout
+  # The smoke run was stopped after step 2 with a record of step 3 and a torn line planted in its
+  # metrics (tests/test_train_smoke.py); its resume dropped both.
+  assert "metric records after it dropped" in run["second"], run["second"][-2000:]
+  assert records(run["workdir"]) == records(whole)
+  a, b = state_arrays(run["workdir"], 3), state_arrays(whole, 3)
+  assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                  for x, y in zip(a, b))
+  s_res = json.load(open(os.path.join(run["workdir"], "summary.json")))
+  s_whole = json.load(open(os.path.join(whole, "summary.json")))
+  for k in ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts", "prefill_tokens",
+            "tool_calls", "predictor", "slot_utilization"):
+    assert s_res[k] == s_whole[k], k
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
+  work = str(tmp_path / "preempted")
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), *args_in(run, work, 3)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(devices=8), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  metrics = os.path.join(work, "metrics.jsonl")
+  deadline = time.time() + 400
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and any('"effective_ratio"' in line for line in open(metrics)):
+      proc.send_signal(signal.SIGTERM)
+      break
+    time.sleep(0.2)
+  out, _ = proc.communicate(timeout=400)
+  assert proc.returncode == 75, out[-3000:]
+  assert "SIGTERM" in out and "checkpointed step" in out, out[-3000:]
+  steps = [int(s) for s in os.listdir(os.path.join(work, "checkpoints")) if s.isdigit()]
+  assert steps and max(steps) in (1, 2)
+  again = launch("train.py", *args_in(run, work, 3), devices=8)
+  assert again.returncode == 0, again.stdout[-3000:]
+  assert f"resumed at step {max(steps)}" in again.stdout
+  rl = [r["step"] for r in records(work) if "effective_ratio" in r]
+  assert rl == [1, 2, 3]
+  summary = json.load(open(os.path.join(work, "summary.json")))
+  assert summary["rollouts"] == run["summary3"]["rollouts"]
+
+
+@pytest.mark.slow
+def test_nan_lr_stops_with_exit_70(run, tmp_path):
+  work = str(tmp_path / "lr_nan")
+  p = launch("train.py", *args_in(run, work, 3, "--config.rl.lr=nan"))
+  assert p.returncode == 70, p.stdout[-3000:]
+  assert "training diverged at RL step" in p.stdout, p.stdout[-3000:]
+  assert not os.path.exists(os.path.join(work, "summary.json"))
+  ckpts = os.path.join(work, "checkpoints")
+  for s in (os.listdir(ckpts) if os.path.isdir(ckpts) else []):
+    if s.isdigit():  # whatever was checkpointed is finite
+      assert all(np.isfinite(x).all() for x in state_arrays(work, int(s))
+                 if np.issubdtype(x.dtype, np.floating))
+
+
+def _stub(tmp_path, **rl):
+  import ml_collections
+  from trace_jax.checkpoint import Checkpointer
+  c = ml_collections.ConfigDict(dict(
+      rl=dict(max_consecutive_skips=3, max_param_growth=100.0, **rl),
+      eval=dict(stop_on_collapse=True)))
+  return types.SimpleNamespace(c=c, init_param_norm=10.0,
+                               ckpt=Checkpointer(str(tmp_path / "ck")))
+
+
+@pytest.mark.parametrize("rec, streak, evals, why", [
+    ({"param_norm": 3e30}, 0, {}, "parameter norm reached 3e+30"),
+    ({"param_norm": float("nan")}, 0, {}, "parameter norm reached nan"),
+    ({"param_norm": 12.0}, 3, {}, "3 consecutive updates"),
+    ({"param_norm": 12.0, "eval_em": 0.0}, 0, {"0": 0.25, "4": 0.0}, "collapsed from 0.250"),
+])
+def test_check_divergence_reasons(tmp_path, rec, streak, evals, why):
+  from trace_jax.train import Diverged, LoopState, check_divergence
+  state = LoopState(train={}, step=4, skip_streak=streak, evals=evals)
+  with pytest.raises(Diverged, match="no checkpoint was written") as e:
+    check_divergence(_stub(tmp_path), state, rec)
+  assert why in str(e.value)
+
+
+def test_check_divergence_passes_healthy_steps(tmp_path):
+  from trace_jax.train import LoopState, check_divergence
+  state = LoopState(train={}, step=4, skip_streak=2, evals={"0": 0.0, "4": 0.0})
+  check_divergence(_stub(tmp_path), state, {"param_norm": 999.0, "eval_em": 0.0})
