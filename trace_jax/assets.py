@@ -149,16 +149,16 @@ def load_world_assets(c) -> Assets:
     world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
                                                 max_turns=c.env.max_turns))
     world.save(wdir)
+  if not world.train or not world.test:  # an empty test set would report NaN accuracy
+    raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
+                     f"{len(world.test)} test questions; both must be non-empty (delete the "
+                     f"directory to regenerate it)")
   tok = build_tokenizer(world)
   encode = lambda s: tok.encode(s).ids  # noqa: E731
   decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
   bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
   mk = lambda ex: _example(encode, bos, ex.id, ex.question, ex.answers,  # noqa: E731
                            prompts.synthetic_prompt(ex.question), hops=ex.hops, meta=ex.meta)
-  if not world.train or not world.test:
-    raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
-                     f"{len(world.test)} test questions; both must be non-empty (delete the "
-                     f"directory to regenerate it)")
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
                 vocab_size=tok.get_vocab_size(), train=[mk(e) for e in world.train],
                 test=[mk(e) for e in world.test],
@@ -170,8 +170,6 @@ def load_real_assets(c) -> Assets:
   """Real multi-hop QA: local HF tokenizer, local data files, BM25 index or HTTP retriever."""
   from transformers import AutoTokenizer
 
-  from trace_jax.data import load_qa
-
   check_model_dir(c.model.path, c.model.tokenizer_path)
   retriever = build_retriever(c)  # health-checked before the slow parts
   tok = AutoTokenizer.from_pretrained(c.model.tokenizer_path or c.model.path, local_files_only=True)
@@ -182,16 +180,25 @@ def load_real_assets(c) -> Assets:
     return _example(encode, None, ex.id, ex.question, ex.answers,
                     prompts.build_search_r1_prompt(ex.question, tok), source=ex.source,
                     meta=ex.meta)
-  def load(field):
-    path = c.data[field]
-    examples = load_qa(path, format=c.data.format or None)
-    if not examples:  # load_qa refuses empty files; this is a file whose every record was skipped
-      raise ValueError(f"data.{field}={path}: no usable examples (every record lacks an answer "
-                       f"or is unanswerable)")
-    return [mk(e) for e in examples]
-  train, test = load("train_path"), load("test_path")
+  train = [mk(e) for e in load_examples(c, "train_path")]
+  test = [mk(e) for e in load_examples(c, "test_path")]
   return Assets(encode=encode, decode=decode, bos_id=None, eos_id=tok.eos_token_id,
                 vocab_size=len(tok), train=train, test=test, retriever=retriever)
+
+
+def load_examples(c, field: str) -> list:
+  """`load_qa` of `c.data.<field>`; an error names the file when no example is usable (load_qa
+  itself refuses empty, binary and directory paths)."""
+  from trace_jax.data import load_qa
+
+  path = c.data[field]
+  if not path:
+    raise ValueError(f"data.{field} is empty: set --config.data.{field}=/path/to/file")
+  examples = load_qa(path, format=c.data.format or None)
+  if not examples:
+    raise ValueError(f"data.{field}={path}: no usable examples (every record lacks an answer or "
+                     f"is unanswerable)")
+  return examples
 
 
 def build_model(c, vocab_size: int, mesh=None) -> Qwen3:

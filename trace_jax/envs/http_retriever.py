@@ -271,7 +271,7 @@ class HTTPRetriever:
                          f"{self.max_response_bytes}; ask for fewer queries or a smaller topk")
     chunks, size = [], 0
     while True:
-      chunk = response.read(1 << 16)
+      chunk = response.read1(1 << 16)  # One recv at most: a trickle cannot stretch it.
       if not chunk:
         return b"".join(chunks)
       chunks.append(chunk)
