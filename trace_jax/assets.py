@@ -168,10 +168,12 @@ def load_world_assets(c) -> Assets:
 
 def load_real_assets(c) -> Assets:
   """Real multi-hop QA: local HF tokenizer, local data files, BM25 index or HTTP retriever."""
+  # Cheap checks first: files, then the retrieval server's health, then the data files.
+  check_model_dir(c.model.path, c.model.tokenizer_path)
+  retriever = build_retriever(c)
+  raw_train, raw_test = load_examples(c, "train_path"), load_examples(c, "test_path")
   from transformers import AutoTokenizer
 
-  check_model_dir(c.model.path, c.model.tokenizer_path)
-  retriever = build_retriever(c)  # health-checked before the slow parts
   tok = AutoTokenizer.from_pretrained(c.model.tokenizer_path or c.model.path, local_files_only=True)
   encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
   decode = lambda ids: tok.decode(list(ids))  # noqa: E731
@@ -180,8 +182,7 @@ def load_real_assets(c) -> Assets:
     return _example(encode, None, ex.id, ex.question, ex.answers,
                     prompts.build_search_r1_prompt(ex.question, tok), source=ex.source,
                     meta=ex.meta)
-  train = [mk(e) for e in load_examples(c, "train_path")]
-  test = [mk(e) for e in load_examples(c, "test_path")]
+  train, test = [mk(e) for e in raw_train], [mk(e) for e in raw_test]
   return Assets(encode=encode, decode=decode, bos_id=None, eos_id=tok.eos_token_id,
                 vocab_size=len(tok), train=train, test=test, retriever=retriever)
 

@@ -390,3 +390,12 @@ def test_training_with_a_dead_retriever_url_exits_nonzero_in_seconds(tmp_path):
   assert "RetrieverHealthError" in out.stderr and url in out.stderr, out.stderr[-2000:]
   assert not (tmp_path / "cache").exists()  # failed before generating the world or training
   assert elapsed < 60, elapsed
+
+
+def test_new_tool_settings_keep_cached_warm_starts_valid():
+  # The keys of the shipped variants before the retriever and observation caps were added.
+  assert assets_lib.warm_start_key(mhqa.get_config("smoke")) == "5f88822420d3"
+  assert assets_lib.warm_start_key(mhqa.get_config("tiny")) == "d6a99f816ac2"
+  c = mhqa.get_config("tiny")
+  c.env.max_obs_bytes, c.retriever.timeout_s, c.retriever.retries = 0, 1.0, 0
+  assert assets_lib.warm_start_key(c) == "d6a99f816ac2"
