@@ -393,9 +393,15 @@ def test_training_with_a_dead_retriever_url_exits_nonzero_in_seconds(tmp_path):
 
 
 def test_new_tool_settings_keep_cached_warm_starts_valid():
-  # The keys of the shipped variants before the retriever and observation caps were added.
-  assert assets_lib.warm_start_key(mhqa.get_config("smoke")) == "5f88822420d3"
-  assert assets_lib.warm_start_key(mhqa.get_config("tiny")) == "d6a99f816ac2"
-  c = mhqa.get_config("tiny")
-  c.env.max_obs_bytes, c.retriever.timeout_s, c.retriever.retries = 0, 1.0, 0
-  assert assets_lib.warm_start_key(c) == "d6a99f816ac2"
+  # A config without the observation byte cap (as before it existed) has the same warm-start key,
+  # and so do other cap and retriever settings: none of them changes the expert traces.
+  for variant in ("smoke", "tiny"):
+    c = mhqa.get_config(variant)
+    key = assets_lib.warm_start_key(c)
+    old = mhqa.get_config(variant)
+    del old.env["max_obs_bytes"]
+    assert assets_lib.warm_start_key(old) == key
+    c.env.max_obs_bytes, c.retriever.timeout_s, c.retriever.retries = 0, 1.0, 0
+    assert assets_lib.warm_start_key(c) == key
+    c.env.max_turns += 1  # a setting that does change the traces still changes the key
+    assert assets_lib.warm_start_key(c) != key
