@@ -199,6 +199,20 @@ def test_client_splits_a_batch_whose_body_is_too_large_instead_of_sending_it():
     assert srv.counts()["requests"] == 4
 
 
+def test_oversized_body_gets_the_413_not_a_reset_taken_for_an_outage():
+  with serve(FixedRetriever(), "127.0.0.1", 0, max_body_bytes=4 << 20) as srv:
+    # A client that does not split (as another client might): 3M queries, ~48 MB.
+    client = HTTPRetriever(srv.url, batch_size=10**7, max_request_bytes=1 << 30, max_retries=2,
+                           backoff_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RetrieverError, match="HTTP 413.*exceeds.*limit of 4194304") as info:
+      client.search(["abcdefghijklm"] * 3_000_000, 1)
+    assert not isinstance(info.value, RetrieverUnavailableError)
+    assert time.monotonic() - t0 < 0.9 + 5  # not retried (the body itself takes a moment)
+    assert srv.counts()["requests"] == 0
+    assert HTTPRetriever(srv.url).search(["q"], 1) == FixedRetriever().search(["q"], 1)
+
+
 def test_server_refuses_to_build_an_oversized_answer():
   huge = [Doc(str(i), "T", "t" * 2000) for i in range(10)]
   with serve(FixedRetriever(huge), "127.0.0.1", 0, max_response_bytes=50_000) as srv:
@@ -371,8 +385,8 @@ def test_launcher_has_request_caps():
   import retrieval_server
 
   args = retrieval_server.parse_args(["--corpus", "x.jsonl", "--max_queries", "7",
-                                      "--max_response_bytes", "4096"])
-  assert (args.max_queries, args.max_response_bytes) == (7, 4096)
+                                      "--max_response_bytes", "4096", "--max_body_bytes", "2048"])
+  assert (args.max_queries, args.max_response_bytes, args.max_body_bytes) == (7, 4096, 2048)
 
 
 def test_training_with_a_dead_retriever_url_exits_nonzero_in_seconds(tmp_path):

@@ -131,8 +131,8 @@ class HTTPRetriever:
   `stats(reset=...)` reports requests, retries, timeouts, errors and per-attempt latency.
   """
 
-  def __init__(self, url: str, *, batch_size: int = 64, timeout_s: float = 30.0,
-               max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+  def __init__(self, url: str, *, batch_size: int = 64, timeout_s: float = 10.0,
+               max_retries: int = 2, backoff_s: float = 0.5, max_backoff_s: float = 4.0,
                concurrency: int = 1, use_env_proxy: bool = False,
                max_request_bytes: int = MAX_BODY_BYTES,
                max_response_bytes: int = MAX_RESPONSE_BYTES):
@@ -358,6 +358,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     self.end_headers()
     self.wfile.write(data)
 
+  def _drain(self, n: int) -> None:
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    while n > 0 and time.monotonic() < deadline:
+      chunk = self.rfile.read(min(n, 1 << 20))
+      if not chunk:
+        return
+      n -= len(chunk)
+
   def do_GET(self):  # noqa: N802 - http.server's naming.
     if self.path.rstrip("/") == "/health":
       self._send(200, {"status": "ok", "retriever": type(self.server.retriever).__name__,
@@ -377,9 +385,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self.close_connection = True
       self._send(411, {"error": "a Content-Length header is required"})
       return
-    if length > MAX_BODY_BYTES:
-      self.close_connection = True  # The unread body would corrupt the next request.
-      self._send(413, {"error": f"body of {length} bytes exceeds {MAX_BODY_BYTES}"})
+    limit = self.server.max_body_bytes
+    if length > limit:
+      self.close_connection = True  # Whatever stays unread would corrupt the next request.
+      # Clients send the whole body before reading the answer: read (and drop) a moderately
+      # oversized one so that the client sees this 413 rather than a reset connection, which it
+      # would take for an outage and retry.
+      if length <= _DRAIN_FACTOR * limit:
+        self._drain(length)
+      self._send(413, {"error": f"body of {length} bytes exceeds this server's limit of {limit} "
+                                f"bytes; send fewer queries per request"})
       return
     raw = self.rfile.read(length)
     try:
@@ -405,6 +420,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self._send(413, {"error": str(e)})
       return
     self._send(200, data)
+
+
+# An oversized body up to this multiple of the limit is read and dropped (for at most
+# _DRAIN_SECONDS) before the 413 goes out; a larger one gets the 413 and a closed connection.
+_DRAIN_FACTOR = 16
+_DRAIN_SECONDS = 10.0
 
 
 class _TooLarge(ValueError):
@@ -434,8 +455,8 @@ def _encode_results(results: list[list[Doc]], topk: int, return_scores: bool,
 class RetrievalServer(http.server.ThreadingHTTPServer):
   """A threaded HTTP server answering /retrieve from a local `Retriever`.
 
-  Requests with more than `max_queries` queries, or whose answer would exceed
-  `max_response_bytes`, get a 413 with a message.
+  Requests with more than `max_queries` queries, a body over `max_body_bytes`, or an answer that
+  would exceed `max_response_bytes` get a 413 with a message.
 
   Attributes:
     url: "http://host:port", with the port actually bound (useful with port 0).
@@ -448,11 +469,13 @@ class RetrievalServer(http.server.ThreadingHTTPServer):
 
   def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                max_topk: int = 1000, max_queries: int = MAX_QUERIES,
-               max_response_bytes: int = MAX_RESPONSE_BYTES):
-    if max_topk < 1 or max_queries < 1 or max_response_bytes < 1024:
-      raise ValueError("max_topk and max_queries must be >= 1, max_response_bytes >= 1024")
+               max_response_bytes: int = MAX_RESPONSE_BYTES, max_body_bytes: int = MAX_BODY_BYTES):
+    if max_topk < 1 or max_queries < 1 or min(max_response_bytes, max_body_bytes) < 1024:
+      raise ValueError("max_topk and max_queries must be >= 1, max_response_bytes and "
+                       "max_body_bytes >= 1024")
     self.retriever, self.max_topk = retriever, max_topk
     self.max_queries, self.max_response_bytes = max_queries, max_response_bytes
+    self.max_body_bytes = max_body_bytes
     self.requests = self.queries = 0
     # Retrievers promise no thread safety; HTTP parsing stays concurrent, searches take turns.
     self._search_lock = threading.Lock()
@@ -517,14 +540,15 @@ class RetrievalServer(http.server.ThreadingHTTPServer):
 
 def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
           start: bool = True, max_topk: int = 1000, max_queries: int = MAX_QUERIES,
-          max_response_bytes: int = MAX_RESPONSE_BYTES) -> RetrievalServer:
+          max_response_bytes: int = MAX_RESPONSE_BYTES,
+          max_body_bytes: int = MAX_BODY_BYTES) -> RetrievalServer:
   """Binds a `RetrievalServer` for `retriever` (port 0 picks a free port).
 
   With `start` (the default) it already serves from a daemon thread; otherwise call
   `server.serve_forever()` yourself. Stop it with `server.close()` or a `with` block.
   """
   server = RetrievalServer(retriever, host, port, max_topk=max_topk, max_queries=max_queries,
-                           max_response_bytes=max_response_bytes)
+                           max_response_bytes=max_response_bytes, max_body_bytes=max_body_bytes)
   return server.start() if start else server
 
 
