@@ -8,6 +8,9 @@ Variants:
 Overrides: `--config.rl.steps=50 --config.method=grpo`.
 """
 
+import math
+import os
+
 import ml_collections
 
 METHODS = ("trace", "trace_tree", "root_only", "grpo", "dapo", "tree_grpo", "arpo")
@@ -47,12 +50,22 @@ def _base():
   c.retriever.index_path = ""  # bm25: a saved index directory or a Search-R1 jsonl corpus
   c.retriever.url = ""      # http: a Search-R1 compatible /retrieve server
   c.retriever.topk = 2      # passages per search
+  # http: a hung server costs a search batch at most about timeout_s * (retries + 1) plus the
+  # backoff sleeps (backoff_s, doubling, capped at max_backoff_s); 4xx answers are not retried.
+  c.retriever.timeout_s = 10.0
+  c.retriever.retries = 2
+  c.retriever.backoff_s = 0.5
+  c.retriever.max_backoff_s = 4.0
+  c.retriever.batch_size = 64    # queries per request
+  c.retriever.concurrency = 1    # requests in flight per search batch
+  c.retriever.health_check = True  # GET /health before the first step: a dead URL fails at once
 
   c.env = ml_collections.ConfigDict()
   c.env.reward = "em"       # em | f1 | em_format
   c.env.max_turns = 5
   c.env.max_turn_tokens = 24   # generated tokens per turn
-  c.env.max_obs_tokens = 72    # observation tokens (truncated)
+  c.env.max_obs_tokens = 72    # observation tokens (cut in token space, closing tag kept)
+  c.env.max_obs_bytes = 16384  # observation bytes (passages cut fairly; 0 = no cap)
   c.env.max_seq_len = 384      # whole trajectory
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
@@ -182,12 +195,22 @@ def get_config(arg: str | None = None):
 
 
 REQUIRED_REAL = ("model.path", "data.train_path", "data.test_path")
+RETRIEVERS = ("world", "bm25", "http")
+ADVANTAGES = ("tree_contrastive", "grpo", "tree_grpo", "treerl")
 
 
 def validate(c) -> None:
-  """Clear errors for settings that cannot work, before anything is built or compiled."""
+  """Clear errors for settings that cannot work, before anything is built or compiled.
+
+  Every interval, count and budget that the loop divides by or allocates from is checked here,
+  so a bad value fails in seconds with the field named instead of after the first RL step.
+  Notes: `rl.steps=0` is allowed (warm start and the evaluation before RL only);
+  `rollout.temperature` must be > 0, since RL samples (evaluation is always greedy): for nearly
+  greedy rollouts use a small temperature or `rollout.top_k=1`.
+  """
   if c.method not in METHODS:
     raise ValueError(f"config.method={c.method!r}; choose one of {METHODS}")
+  synthetic = not c.variant.startswith("qwen3")
   if c.variant.startswith("qwen3"):
     missing = [k for k in REQUIRED_REAL if not _get(c, k)]
     if c.retriever.kind == "http" and not c.retriever.url:
@@ -198,16 +221,129 @@ def validate(c) -> None:
       raise ValueError(
           f"variant {c.variant} needs local paths: set " +
           ", ".join(f"--config.{k}=..." for k in missing))
+
+  # ---- retriever
+  rt = c.retriever
+  _choice(c, "retriever.kind", RETRIEVERS)
+  if rt.kind == "world" and not synthetic:
+    raise ValueError(f"retriever.kind='world' needs the synthetic world; variant {c.variant} "
+                     f"uses real data: set --config.retriever.kind=http or bm25")
+  if rt.kind == "http":
+    if not rt.url:
+      raise ValueError("retriever.kind='http' needs --config.retriever.url=http://HOST:PORT")
+    if not rt.url.startswith(("http://", "https://")):
+      raise ValueError(f"retriever.url={rt.url!r} must start with http:// or https://")
+  _at_least(c, "retriever.topk", 1)
+  _at_least(c, "retriever.retries", 0)
+  _at_least(c, "retriever.batch_size", 1)
+  _at_least(c, "retriever.concurrency", 1)
+  _positive(c, "retriever.timeout_s")
+  _at_least(c, "retriever.backoff_s", 0)
+  _at_least(c, "retriever.max_backoff_s", 0)
+
+  # ---- environment
+  e = c.env
+  _at_least(c, "env.max_turns", 1)
+  _at_least(c, "env.max_turn_tokens", 1)
+  _at_least(c, "env.max_obs_tokens", 4)  # room for the tags and a little text
+  if e.max_obs_bytes != 0:
+    _at_least(c, "env.max_obs_bytes", 64, "(or 0 for no cap)")
+  if e.max_seq_len <= e.max_turn_tokens:
+    raise ValueError(f"env.max_seq_len={e.max_seq_len} must exceed env.max_turn_tokens="
+                     f"{e.max_turn_tokens}")
+
+  # ---- rollouts and budgets
   r = c.rollout
+  for k in ("prompts_per_step", "min_per_prompt", "root_budget", "max_per_anchor", "num_slots",
+            "page_size", "prefill_chunk"):
+    _at_least(c, f"rollout.{k}", 1)
+  _at_least(c, "rollout.num_pages", 2)
+  _at_least(c, "rollout.prefix_budget", 0)
+  _at_least(c, "rollout.candidate_prompts", 0)
+  _at_least(c, "rollout.top_k", 0)
+  _at_least(c, "rollout.tree_lambda", 0)
+  _at_least(c, "rollout.blend_prior", 0)
+  _at_least(c, "rollout.dapo_oversample", 1)
+  _choice(c, "rollout.budget_unit", ("rollouts", "tokens"))
+  if not 0 < r.arpo_entropy_top <= 1:
+    raise ValueError(f"rollout.arpo_entropy_top={r.arpo_entropy_top} must be in (0, 1]")
+  if not 0 < r.top_p <= 1:
+    raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+  if not (r.temperature > 0 and math.isfinite(r.temperature)):
+    raise ValueError(f"rollout.temperature={r.temperature} must be a finite number > 0 (RL needs "
+                     f"sampled rollouts; evaluation is already greedy). For nearly greedy "
+                     f"rollouts use a small temperature such as 0.1, or --config.rollout.top_k=1")
+  if r.max_per_prompt < r.min_per_prompt:
+    raise ValueError(f"rollout.max_per_prompt={r.max_per_prompt} is smaller than "
+                     f"min_per_prompt={r.min_per_prompt}")
   if r.root_budget < r.min_per_prompt * r.prompts_per_step:
     raise ValueError(f"rollout.root_budget={r.root_budget} is smaller than min_per_prompt x "
                      f"prompts_per_step = {r.min_per_prompt * r.prompts_per_step}")
+  if r.root_budget > r.max_per_prompt * r.prompts_per_step:
+    raise ValueError(f"rollout.root_budget={r.root_budget} is larger than max_per_prompt x "
+                     f"prompts_per_step = {r.max_per_prompt * r.prompts_per_step}")
   if 0 < r.candidate_prompts < r.prompts_per_step:
     raise ValueError(f"rollout.candidate_prompts={r.candidate_prompts} must be 0 or at least "
                      f"prompts_per_step={r.prompts_per_step}")
+
+  # ---- RL, evaluation, checkpoints
+  _at_least(c, "rl.steps", 0, "(0 runs the warm start and the first evaluation only)")
+  _at_least(c, "rl.micro_batches", 1)
+  _at_least(c, "rl.train_rows", 1)
+  _at_least(c, "rl.predictor_fit_steps", 0)
+  _at_least(c, "rl.predictor_buffer_steps", 1)
+  _at_least(c, "rl.predictor_root_buffer_steps", 1)
+  _at_least(c, "rl.predictor_warm_steps", 0)
+  _at_least(c, "rl.predictor_warmup_steps", 0)
+  _at_least(c, "rl.eps_low", 0)
+  _at_least(c, "rl.eps_high", 0)
+  _at_least(c, "rl.kl_coef", 0)
+  _choice(c, "rl.advantage", ADVANTAGES)
+  _choice(c, "rl.predictor_weighting", ("uniform", "visits"))
+  _at_least(c, "eval.every", 1)
+  _at_least(c, "eval.size", 1, "(an empty evaluation set has no accuracy)")
+  _at_least(c, "ckpt.every", 1)
+  _at_least(c, "ckpt.max_to_keep", 1)
+  if synthetic:
+    _at_least(c, "eval.probe_prompts", 1)
+    for k in ("num_traces", "batch_rows", "row_len"):
+      _at_least(c, f"sft.{k}", 1)
+    _at_least(c, "sft.steps", 0)
+  else:
+    _check_data_file(c, "data.train_path")
+    _check_data_file(c, "data.test_path")
+    from trace_jax.assets import check_model_dir  # names the file an incomplete directory lacks
+    check_model_dir(c.model.path, c.model.tokenizer_path)
 
 
 def _get(c, dotted):
   for k in dotted.split("."):
     c = c[k]
   return c
+
+
+def _at_least(c, dotted, low, note=""):
+  v = _get(c, dotted)
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
+    raise ValueError(f"{dotted}={v!r} must be >= {low}" + (f" {note}" if note else ""))
+
+
+def _positive(c, dotted):
+  v = _get(c, dotted)
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"{dotted}={v!r} must be a finite number > 0")
+
+
+def _choice(c, dotted, choices):
+  if _get(c, dotted) not in choices:
+    raise ValueError(f"{dotted}={_get(c, dotted)!r}; choose one of {choices}")
+
+
+def _check_data_file(c, dotted):
+  path = _get(c, dotted)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{dotted}={path}: no such file")
+  if os.path.isdir(path):
+    raise IsADirectoryError(f"{dotted}={path}: a directory; give the data file itself")
+  if os.path.getsize(path) == 0:
+    raise ValueError(f"{dotted}={path}: the file is empty")

@@ -10,6 +10,10 @@ training code, which speaks the same API.
   # a synthetic world saved with World.save (or any directory with a saved index or corpus jsonl)
   python launch/retrieval_server.py --world runs/world_seed0 --port 0   # prints the chosen port
 
+Requests are bounded: more than `--max_queries` queries, a body over `--max_body_bytes` or an
+answer over `--max_response_bytes` get HTTP 413 with a message instead of stalling the server for
+every other client.
+
 The first stdout line is `serving <what> (<n> docs) on http://HOST:PORT`, so scripts that start
 the server with `--port 0` can read the port from it.
 
@@ -27,6 +31,9 @@ import signal
 import sys
 
 from trace_jax.envs.http_retriever import DEFAULT_PORT
+from trace_jax.envs.http_retriever import MAX_BODY_BYTES
+from trace_jax.envs.http_retriever import MAX_QUERIES
+from trace_jax.envs.http_retriever import MAX_RESPONSE_BYTES
 from trace_jax.envs.http_retriever import RetrievalServer
 from trace_jax.envs.http_retriever import serve
 
@@ -102,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
   parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
   parser.add_argument("--max_topk", type=int, default=1000, help="largest topk a request may ask")
+  parser.add_argument("--max_queries", type=int, default=MAX_QUERIES,
+                      help="most queries in one request (more: HTTP 413 with a message)")
+  parser.add_argument("--max_response_bytes", type=int, default=MAX_RESPONSE_BYTES,
+                      help="largest answer built (larger: HTTP 413 with a message)")
+  parser.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES,
+                      help="largest request body read (larger: HTTP 413 with a message)")
   parser.add_argument("--log_level", default="INFO")
   return parser.parse_args(argv)
 
@@ -111,7 +124,9 @@ def main(argv=None) -> int:
   logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
   retriever, what = build_retriever(args.index, args.corpus, args.world, args.save_index)
   server: RetrievalServer = serve(retriever, args.host, args.port, start=False,
-                                  max_topk=args.max_topk)
+                                  max_topk=args.max_topk, max_queries=args.max_queries,
+                                  max_response_bytes=args.max_response_bytes,
+                                  max_body_bytes=args.max_body_bytes)
   n_docs = len(retriever) if hasattr(retriever, "__len__") else "?"
   print(f"serving {what} ({n_docs} docs) on {server.url}", flush=True)
 

@@ -40,9 +40,108 @@ def _example(encode, bos_id, ex_id, question, answers, prompt_text, hops=None, s
               hops=hops, source=source, meta=meta or {})
 
 
+def build_retriever(c, world=None):
+  """The run's retriever (`retriever.kind`): the synthetic world's BM25, a local BM25 index, or
+  an HTTP server. An HTTP retriever gets the config's timeout, retries and backoff and must pass
+  a health check first (`retriever.health_check`), so a dead URL fails the run in seconds."""
+  kind = c.retriever.kind
+  if kind == "world":
+    if world is None:
+      raise ValueError("retriever.kind='world' needs the synthetic world; with real data use "
+                       "'bm25' or 'http'")
+    return world.retriever()
+  if kind == "bm25":
+    from trace_jax.envs.retrieval import BM25Retriever
+    p = c.retriever.index_path
+    if not p or not os.path.exists(p):
+      raise FileNotFoundError(f"retriever.index_path={p!r}: no such index directory or corpus")
+    return BM25Retriever.load(p) if os.path.isdir(p) else BM25Retriever.from_jsonl(p)
+  if kind == "http":
+    from trace_jax.envs.http_retriever import HTTPRetriever
+    r = c.retriever
+    retriever = HTTPRetriever(r.url, batch_size=r.get("batch_size", 64),
+                              timeout_s=r.get("timeout_s", 10.0), max_retries=r.get("retries", 2),
+                              backoff_s=r.get("backoff_s", 0.5),
+                              max_backoff_s=r.get("max_backoff_s", 4.0),
+                              concurrency=r.get("concurrency", 1))
+    if r.get("health_check", True):
+      check_retriever_health(retriever)
+    return retriever
+  raise ValueError(f"retriever.kind={kind!r}; choose world, bm25 or http")
+
+
+class RetrieverHealthError(RuntimeError):
+  """The retrieval server failed its start-up health check."""
+
+
+def check_retriever_health(retriever, retries: int = 1) -> dict:
+  """GET /health with at most `retries` retries; raises `RetrieverHealthError` naming the URL.
+
+  Bounded by `retriever.worst_case_s(retries)`: about 2 x timeout_s for a hung server, well under
+  a second for a refused connection."""
+  from trace_jax.envs.http_retriever import RetrieverError
+
+  retries = min(retries, retriever.max_retries)
+  try:
+    info = retriever.health(retries=retries)
+  except RetrieverError as e:
+    raise RetrieverHealthError(
+        f"retrieval server {retriever.url} failed its health check (GET {retriever.url}/health, "
+        f"timeout {retriever.timeout_s}s, {retries} retries): {e}. Start it (python "
+        f"launch/retrieval_server.py ...) or fix --config.retriever.url") from None
+  if not isinstance(info, dict) or info.get("status") != "ok":
+    raise RetrieverHealthError(f"retrieval server {retriever.url} is not healthy: "
+                               f"GET /health answered {json.dumps(info)[:200]}")
+  log.info("retrieval server %s healthy: %s", retriever.url, info)
+  return info
+
+
+def build_env(c, assets: "Assets"):
+  """The run's `MultiHopEnv`: top-k passages per search, observations capped in bytes
+  (`env.max_obs_bytes`) and in tokens (`env.max_obs_tokens`, under the policy's tokenizer) with
+  the closing tag kept."""
+  from trace_jax.envs.env import DEFAULT_MAX_OBS_BYTES, MultiHopEnv
+
+  return MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
+                     topk=c.retriever.topk,
+                     max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
+                     max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
+
+
+# What a local HF model directory must hold before anything is loaded from it.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str, tokenizer_path: str = "") -> None:
+  """Fails with the missing file named when `path` is not a usable HF checkpoint directory
+  (config.json, *.safetensors) or the tokenizer directory lacks tokenizer files."""
+  if not path:
+    raise ValueError("model.path is empty: set --config.model.path=/path/to/hf_checkpoint")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"model.path={path}: not a directory (expected a local Hugging Face "
+                            f"checkpoint with config.json and *.safetensors)")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise FileNotFoundError(f"model.path={path}: expected {os.path.join(path, 'config.json')}, "
+                            f"which is missing (is this a Hugging Face checkpoint directory?)")
+  if not any(n.endswith(".safetensors") for n in os.listdir(path)):
+    raise FileNotFoundError(f"model.path={path}: no *.safetensors weights (expected e.g. "
+                            f"{os.path.join(path, 'model.safetensors')} or sharded "
+                            f"model-00001-of-0000N.safetensors files)")
+  tdir = tokenizer_path or path
+  field = "model.tokenizer_path" if tokenizer_path else "model.path"
+  if not os.path.isdir(tdir):
+    raise FileNotFoundError(f"{field}={tdir}: not a directory (expected tokenizer files)")
+  if not any(os.path.isfile(os.path.join(tdir, n)) for n in _TOKENIZER_FILES):
+    raise FileNotFoundError(f"{field}={tdir}: no tokenizer files (expected "
+                            f"{os.path.join(tdir, 'tokenizer.json')}, or tokenizer.model, or "
+                            f"vocab.json + merges.txt)")
+
+
 def load_world_assets(c) -> Assets:
   from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
 
+  # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
+  served = build_retriever(c) if c.retriever.kind == "http" else None
   wdir = os.path.join(c.world.cache_dir, f"world-seed{c.world.seed}")
   if os.path.exists(os.path.join(wdir, "world.json")):
     world = World.load(wdir)
@@ -50,6 +149,10 @@ def load_world_assets(c) -> Assets:
     world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
                                                 max_turns=c.env.max_turns))
     world.save(wdir)
+  if not world.train or not world.test:  # an empty test set would report NaN accuracy
+    raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
+                     f"{len(world.test)} test questions; both must be non-empty (delete the "
+                     f"directory to regenerate it)")
   tok = build_tokenizer(world)
   encode = lambda s: tok.encode(s).ids  # noqa: E731
   decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
@@ -58,14 +161,18 @@ def load_world_assets(c) -> Assets:
                            prompts.synthetic_prompt(ex.question), hops=ex.hops, meta=ex.meta)
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
                 vocab_size=tok.get_vocab_size(), train=[mk(e) for e in world.train],
-                test=[mk(e) for e in world.test], retriever=world.retriever(), world=world)
+                test=[mk(e) for e in world.test],
+                retriever=served if served is not None else build_retriever(c, world),
+                world=world)
 
 
 def load_real_assets(c) -> Assets:
   """Real multi-hop QA: local HF tokenizer, local data files, BM25 index or HTTP retriever."""
+  # Cheap checks first: files, then the retrieval server's health, then the data files.
+  check_model_dir(c.model.path, c.model.tokenizer_path)
+  retriever = build_retriever(c)
+  raw_train, raw_test = load_examples(c, "train_path"), load_examples(c, "test_path")
   from transformers import AutoTokenizer
-
-  from trace_jax.data import load_qa
 
   tok = AutoTokenizer.from_pretrained(c.model.tokenizer_path or c.model.path, local_files_only=True)
   encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -75,19 +182,24 @@ def load_real_assets(c) -> Assets:
     return _example(encode, None, ex.id, ex.question, ex.answers,
                     prompts.build_search_r1_prompt(ex.question, tok), source=ex.source,
                     meta=ex.meta)
-  train = [mk(e) for e in load_qa(c.data.train_path, format=c.data.format or None)]
-  test = [mk(e) for e in load_qa(c.data.test_path, format=c.data.format or None)]
-  if c.retriever.kind == "http":
-    from trace_jax.envs.http_retriever import HTTPRetriever
-    retriever = HTTPRetriever(c.retriever.url)
-  elif c.retriever.kind == "bm25":
-    from trace_jax.envs.retrieval import BM25Retriever
-    p = c.retriever.index_path
-    retriever = BM25Retriever.load(p) if os.path.isdir(p) else BM25Retriever.from_jsonl(p)
-  else:
-    raise ValueError(f"retriever.kind={c.retriever.kind!r} needs the synthetic world")
+  train, test = [mk(e) for e in raw_train], [mk(e) for e in raw_test]
   return Assets(encode=encode, decode=decode, bos_id=None, eos_id=tok.eos_token_id,
                 vocab_size=len(tok), train=train, test=test, retriever=retriever)
+
+
+def load_examples(c, field: str) -> list:
+  """`load_qa` of `c.data.<field>`; an error names the file when no example is usable (load_qa
+  itself refuses empty, binary and directory paths)."""
+  from trace_jax.data import load_qa
+
+  path = c.data[field]
+  if not path:
+    raise ValueError(f"data.{field} is empty: set --config.data.{field}=/path/to/file")
+  examples = load_qa(path, format=c.data.format or None)
+  if not examples:
+    raise ValueError(f"data.{field}={path}: no usable examples (every record lacks an answer or "
+                     f"is unanswerable)")
+  return examples
 
 
 def build_model(c, vocab_size: int, mesh=None) -> Qwen3:
@@ -109,11 +221,16 @@ def sft_seed(c) -> int:
   return int(c.seed if s is None or s < 0 else s)
 
 
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes",)
+
+
 def warm_start_key(c) -> str:
   """Cache key of the warm start: everything that changes it, the effective seed included."""
   sft = {k: v for k, v in c.sft.to_dict().items() if k != "seed"}
+  # Settings added later that never change the expert traces stay out, so caches stay valid.
+  env = {k: v for k, v in c.env.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
   blob = json.dumps({"world": c.world.to_dict(), "model": c.model.to_dict(), "sft": sft,
-                     "seed": sft_seed(c), "env": c.env.to_dict(), "topk": c.retriever.topk,
+                     "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 3}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
 

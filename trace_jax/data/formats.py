@@ -325,15 +325,38 @@ def load_qa(path: str | os.PathLike, format: str | None = None, source: str | No
     list[QAExample], or (list[QAExample], LoadStats) when return_stats.
 
   Raises:
-    QAFormatError: naming file, record and field, for any malformed record.
+    QAFormatError: naming file, record and field, for any malformed record; naming the file for
+      a directory, an empty file (or one without records) and text that is not UTF-8.
     FileNotFoundError: when the file does not exist.
   """
   path = os.fspath(path)
   if not os.path.exists(path):
     raise FileNotFoundError(path)
+  if os.path.isdir(path):
+    raise QAFormatError(path, "is a directory; give the data file itself (.parquet, .json, "
+                        ".jsonl or .csv)")
   if format is not None and format not in _PARSERS:
     raise ValueError(f"unknown QA format {format!r}; expected one of {FORMATS}")
+  if os.path.getsize(path) == 0:
+    raise QAFormatError(path, "the file is empty")
   stats = LoadStats(path=path, format=format or "")
+  try:
+    examples = _load_records(path, format, source, stats)
+  except UnicodeDecodeError as e:
+    raise QAFormatError(path, f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}); a binary file, or another encoding?") from None
+  if not stats.records:
+    raise QAFormatError(path, "no records in the file (only whitespace, an empty list or a header)")
+  stats.kept = len(examples)
+  if stats.skipped:
+    logging.warning("%s: kept %d of %d records; skipped %d without answers and %d unanswerable",
+                    path, stats.kept, stats.records, stats.skipped_no_answer,
+                    stats.skipped_unanswerable)
+  return (examples, stats) if return_stats else examples
+
+
+def _load_records(path: str, format: str | None, source: str | None,
+                  stats: LoadStats) -> list[QAExample]:
   examples: list[QAExample] = []
   parser = _PARSERS.get(format) if format else None
   for index, rec in _iter_records(path):
@@ -355,9 +378,4 @@ def load_qa(path: str | os.PathLike, format: str | None = None, source: str | No
       raise QAFormatError(path, e.message, record=index, field=e.field) from None
     examples.append(QAExample(id=qid, question=question, answers=answers,
                               source=source or rec_source or stats.format, meta=meta))
-  stats.kept = len(examples)
-  if stats.skipped:
-    logging.warning("%s: kept %d of %d records; skipped %d without answers and %d unanswerable",
-                    path, stats.kept, stats.records, stats.skipped_no_answer,
-                    stats.skipped_unanswerable)
-  return (examples, stats) if return_stats else examples
+  return examples

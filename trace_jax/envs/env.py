@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -18,6 +20,10 @@ from trace_jax.envs.scoring import RewardFn, exact_match, f1, get_reward_fn
 from trace_jax.envs.types import Retriever
 
 log = logging.getLogger(__name__)
+
+# Bytes per observation by default: top-k passages of a Wikipedia-style corpus fit many times over;
+# a server that returns megabytes of text cannot flood the context.
+DEFAULT_MAX_OBS_BYTES = 16384
 
 
 @dataclasses.dataclass
@@ -57,20 +63,37 @@ class MultiHopEnv:
       reward_fn(prediction, golds, format_ok) with format_ok False after any invalid action.
     max_turns: actions allowed per rollout; a rollout that has not answered by then ends with
       reward 0.
-    topk: passages per search.
+    topk: passages per search; never more are shown, whatever the retriever returns.
+    max_obs_bytes: UTF-8 bytes per observation, tags included (0: no cap); passages are cut
+      fairly and `</information>` is kept (`react.fit_observation`).
+    max_obs_tokens, encode: with both, observations are cut in token space (under `encode`, the
+      policy's tokenizer) to at most `max_obs_tokens` tokens, closing tag included.
+
+  `retriever_stats(reset=True)` gives the tool's health since the last reset (calls, queries,
+  errors, retries, latency, truncations) for the training loop's metrics.
   """
 
   def __init__(self, retriever: Retriever, reward_fn: Union[str, RewardFn] = "em",
-               max_turns: int = 5, topk: int = 3):
+               max_turns: int = 5, topk: int = 3, *,
+               max_obs_bytes: int = DEFAULT_MAX_OBS_BYTES, max_obs_tokens: int = 0,
+               encode: Optional[Callable[[str], Sequence[int]]] = None):
     if max_turns < 1 or topk < 1:
       raise ValueError(f"max_turns and topk must be >= 1, got {max_turns}, {topk}")
+    if max_obs_bytes and max_obs_bytes < react.MIN_OBS_BYTES:
+      raise ValueError(f"max_obs_bytes={max_obs_bytes} must be 0 (no cap) or at least "
+                       f"{react.MIN_OBS_BYTES}")
+    if max_obs_tokens < 0:
+      raise ValueError(f"max_obs_tokens must be >= 0, got {max_obs_tokens}")
     self.retriever = retriever
     self.reward_fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
     self.max_turns = max_turns
     self.topk = topk
+    self.max_obs_bytes, self.max_obs_tokens, self.encode = max_obs_bytes, max_obs_tokens, encode
     self.counters = dict.fromkeys(
         ["steps", "searches", "answers", "invalid_actions", "turn_limit", "retriever_calls",
-         "retriever_errors", "error_observations"], 0)
+         "retriever_errors", "error_observations", "obs_truncated", "obs_docs_dropped"], 0)
+    self._stats_lock = threading.Lock()
+    self._window = _zero_window()
 
   def reset(self, golds: Union[str, Sequence[str]], example_id: str = "") -> EnvState:
     golds = [golds] if isinstance(golds, str) else list(golds)
@@ -127,6 +150,7 @@ class MultiHopEnv:
   def _search(self, queries: list[str]) -> list[tuple[str, int]]:
     """One retriever call for the batch; a failure becomes an error observation for each."""
     self.counters["retriever_calls"] += 1
+    t0 = time.monotonic()
     try:
       hits = self.retriever.search(queries, self.topk)
       if len(hits) != len(queries):
@@ -135,8 +159,65 @@ class MultiHopEnv:
       log.warning("retriever failed on %d queries: %r", len(queries), e)
       self.counters["retriever_errors"] += 1
       self.counters["error_observations"] += len(queries)
+      self._record(time.monotonic() - t0, len(queries), errors=1)
       return [(react.format_error_observation(), 0)] * len(queries)
-    return [(react.format_observation(docs[: self.topk]), len(docs[: self.topk])) for docs in hits]
+    out, truncated, dropped = [], 0, 0
+    for docs in hits:
+      docs = list(docs)
+      dropped += max(0, len(docs) - self.topk)
+      docs = docs[: self.topk]
+      text, cut = react.fit_observation(docs, self.max_obs_bytes, self.max_obs_tokens, self.encode)
+      truncated += cut
+      out.append((text, len(docs)))
+    self.counters["obs_truncated"] += truncated
+    self.counters["obs_docs_dropped"] += dropped
+    self._record(time.monotonic() - t0, len(queries), obs_truncated=truncated,
+                 obs_docs_dropped=dropped)
+    return out
+
+  def _record(self, seconds: float, n_queries: int, **counts) -> None:
+    with self._stats_lock:
+      w = self._window
+      w["calls"] += 1
+      w["queries"] += n_queries
+      w["latency_sum_s"] += seconds
+      w["latency_max_s"] = max(w["latency_max_s"], seconds)
+      for k, v in counts.items():
+        w[k] += v
+
+  def retriever_stats(self, reset: bool = False) -> dict:
+    """The retriever's health since the last reset, as flat metrics for `metrics.jsonl`.
+
+    Keys: `retriever_calls` (one per batched search), `retriever_queries`, `retriever_errors`
+    (calls that fell back to an error observation), `retriever_latency_mean_s` and
+    `retriever_latency_max_s` (per call, retries included), `retriever_retries`,
+    `retriever_timeouts` and `retriever_requests` (HTTP attempts; 0 for in-process retrievers),
+    `obs_truncated` (observations cut to the byte or token cap) and `obs_docs_dropped` (passages
+    beyond top-k that the retriever returned anyway).
+    """
+    with self._stats_lock:
+      w = dict(self._window)
+      if reset:
+        self._window = _zero_window()
+    inner = getattr(self.retriever, "stats", None)
+    tool = inner(reset=reset) if callable(inner) else {}
+    return {
+        "retriever_calls": w["calls"],
+        "retriever_queries": w["queries"],
+        "retriever_errors": w["errors"],
+        "retriever_latency_mean_s": w["latency_sum_s"] / w["calls"] if w["calls"] else 0.0,
+        "retriever_latency_max_s": w["latency_max_s"],
+        "retriever_retries": int(tool.get("retries", 0)),
+        "retriever_timeouts": int(tool.get("timeouts", 0)),
+        "retriever_requests": int(tool.get("requests", 0)),
+        "obs_truncated": w["obs_truncated"],
+        "obs_docs_dropped": w["obs_docs_dropped"],
+    }
+
+
+def _zero_window() -> dict:
+  return {"calls": 0, "queries": 0, "errors": 0, "latency_sum_s": 0.0, "latency_max_s": 0.0,
+          "obs_truncated": 0, "obs_docs_dropped": 0}
 
 
 Segment = tuple[Union[str, Sequence[int]], bool]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 from trace_jax.envs.types import Doc
 
@@ -106,13 +106,84 @@ def parse_action(text: Union[str, bytes, None]) -> Action:
 
 def format_docs(docs: Sequence[Doc]) -> str:
   """Search-R1's passage listing: `Doc 1(Title: t) text` one per line."""
-  return "\n".join(f"Doc {i + 1}(Title: {d.title}) {d.text}" for i, d in enumerate(docs))
+  return "\n".join(_doc_line(i, d) for i, d in enumerate(docs))
+
+
+def _doc_line(i: int, d: Doc) -> str:
+  return f"Doc {i + 1}(Title: {d.title}) {d.text}"
 
 
 def format_observation(docs: Sequence[Doc]) -> str:
   """Wraps retrieved passages in information tags; an empty result says so."""
   body = format_docs(docs) if docs else "No results."
   return f"{INFO_OPEN}{body}{INFO_CLOSE}"
+
+
+# The smallest byte budget `fit_observation` accepts: the tags plus a little text.
+MIN_OBS_BYTES = 64
+
+
+def _cut_utf8(text: str, n_bytes: int) -> str:
+  """The longest prefix of `text` of at most `n_bytes` UTF-8 bytes (never half a character)."""
+  return text.encode("utf-8")[:max(0, n_bytes)].decode("utf-8", errors="ignore")
+
+
+def _format_within(docs: Sequence[Doc], max_bytes: int) -> str:
+  """`format_observation(docs)` cut to `max_bytes` UTF-8 bytes, closing tag kept.
+
+  The budget is shared fairly over the passages (water-filling: short ones keep all their text,
+  long ones are cut to an equal share), so one huge passage cannot crowd out the others.
+  """
+  full = format_observation(docs)
+  if len(full.encode("utf-8")) <= max_bytes:
+    return full
+  lines = [_doc_line(i, d) for i, d in enumerate(docs)] or ["No results."]
+  sizes = [len(line.encode("utf-8")) for line in lines]
+  avail = max_bytes - len(INFO_OPEN) - len(INFO_CLOSE) - (len(lines) - 1)
+  if avail <= 0:
+    return f"{INFO_OPEN}{INFO_CLOSE}"
+  keep = [0] * len(lines)
+  for rank, i in enumerate(sorted(range(len(lines)), key=sizes.__getitem__)):
+    keep[i] = min(sizes[i], max(0, avail) // (len(lines) - rank))
+    avail -= keep[i]
+  body = "\n".join(_cut_utf8(line, n) for line, n in zip(lines, keep))
+  return f"{INFO_OPEN}{body}{INFO_CLOSE}"
+
+
+def fit_observation(docs: Sequence[Doc], max_bytes: int = 0, max_tokens: int = 0,
+                    encode: Optional[Callable[[str], Sequence[int]]] = None) -> tuple[str, bool]:
+  """The observation for `docs`, bounded in bytes and in tokens, closing tag always kept.
+
+  Args:
+    docs: the passages to show (the caller keeps at most top-k of them).
+    max_bytes: UTF-8 bytes of the whole observation, tags included (0: no byte cap; else at least
+      `MIN_OBS_BYTES`).
+    max_tokens: tokens of the whole observation under `encode` (0 or no `encode`: no token cap).
+      The text is cut (fairly over the passages) until `encode` of the result fits, so a sampler
+      that keeps `max_tokens` observation tokens never cuts off `</information>`.
+    encode: str -> token ids, the policy's tokenizer.
+  Returns:
+    (text, truncated): the observation, and whether anything was cut.
+  """
+  if max_bytes and max_bytes < MIN_OBS_BYTES:
+    raise ValueError(f"max_bytes={max_bytes} must be 0 (no cap) or at least {MIN_OBS_BYTES}")
+  full = format_observation(docs)
+  size = len(full.encode("utf-8"))
+  hi = min(size, max_bytes) if max_bytes else size
+  text = _format_within(docs, hi)
+  if max_tokens and encode is not None and len(encode(text)) > max_tokens:
+    # Largest byte budget whose text fits in max_tokens: binary search (about log2(bytes) encodes).
+    lo = len(INFO_OPEN) + len(INFO_CLOSE)
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      if len(encode(_format_within(docs, mid))) <= max_tokens:
+        lo = mid
+      else:
+        hi = mid - 1
+    text = _format_within(docs, lo)
+    if len(encode(text)) > max_tokens:  # Even the bare tags do not fit: keep them alone.
+      text = f"{INFO_OPEN}{INFO_CLOSE}"
+  return text, text != full
 
 
 def format_invalid_observation(error: Optional[str] = None) -> str:
