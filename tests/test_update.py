@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,13 @@ def _batch(seed=0):
       "pred_pos": rs.randint(0, T, (B, K)).astype(np.int32),
       "pred_target": rs.rand(B, K).astype(np.float32),
       "pred_weight": np.ones((B, K), np.float32)}
+
+
+@functools.lru_cache(maxsize=None)
+def _step(cfg):
+  """One compiled update per config, shared by the tests (graphs of `_setup` are all equal)."""
+  g, hg, _ = _setup(cfg)
+  return jit_update_step(g, hg, cfg)
 
 
 def _copy(tree):
@@ -75,7 +83,7 @@ def test_non_finite_step_is_skipped_and_counted():
   before = _copy(s)
   batch = _batch()
   batch["adv"][0, 3:] = np.nan
-  s, m = jit_update_step(g, hg, cfg)(s, batch)
+  s, m = _step(cfg)(s, batch)
   assert int(s["skipped"]) == 1 and float(m["finite"]) == 0.0
   for x, y in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(s["params"])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -87,7 +95,7 @@ def test_empty_mask_gives_zero_policy_loss_and_finite_state():
   batch = _batch()
   batch["mask"][:] = 0
   batch["pred_weight"][:] = 0
-  s, m = jit_update_step(g, hg, cfg)(s, batch)
+  s, m = _step(cfg)(s, batch)
   assert float(m["pg_loss"]) == 0.0 and float(m["finite"]) == 1.0
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(s["params"]))
 
@@ -210,7 +218,7 @@ def test_divergent_update_is_skipped_and_params_stay_finite(lr):
 def test_skip_streak_resets_after_a_good_step():
   cfg = UpdateConfig(lr=1e-3)
   g, hg, s = _setup(cfg)
-  step = jit_update_step(g, hg, cfg)
+  step = _step(cfg)
   bad = _batch()
   bad["adv"][0, 3:] = np.nan
   s, m = step(s, bad)
