@@ -76,11 +76,14 @@ def test_errors_name_the_file_and_tensor(tmp_path):
     SafetensorsFile(str(tmp_path / "missing.safetensors"))
   path = str(tmp_path / "t.safetensors")
   save_file({"a": np.zeros((64, 64), np.float32)}, path)
-  data = open(path, "rb").read()
-  open(path, "wb").write(data[: len(data) // 2])
+  with open(path, "rb") as fh:
+    data = fh.read()
+  with open(path, "wb") as fh:
+    fh.write(data[: len(data) // 2])
   with pytest.raises(ValueError, match="t.safetensors"):
     SafetensorsFile(path)
-  open(path, "wb").write(b"\x03")
+  with open(path, "wb") as fh:
+    fh.write(b"\x03")
   with pytest.raises(ValueError, match="t.safetensors"):
     SafetensorsFile(path)
   save_file({"a": np.zeros(2, np.float32)}, path)

@@ -2,6 +2,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import math
 import re
 
 import jax
@@ -42,7 +43,7 @@ def _batch(seed=0):
       "pred_weight": np.ones((B, K), np.float32)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step(cfg):
   """One compiled update per config, shared by the tests (graphs of `_setup` are all equal)."""
   g, hg, _ = _setup(cfg)
@@ -83,7 +84,7 @@ def test_update_changes_params_and_predictor_learns():
 
 def test_non_finite_step_is_skipped_and_counted():
   cfg = UpdateConfig(lr=1e-3)
-  g, hg, s = _setup(cfg)
+  _, _, s = _setup(cfg)
   before = _copy(s)
   batch = _batch()
   batch["adv"][0, 3:] = np.nan
@@ -95,7 +96,7 @@ def test_non_finite_step_is_skipped_and_counted():
 
 def test_empty_mask_gives_zero_policy_loss_and_finite_state():
   cfg = UpdateConfig(lr=1e-3)
-  g, hg, s = _setup(cfg)
+  _, _, s = _setup(cfg)
   batch = _batch()
   batch["mask"][:] = 0
   batch["pred_weight"][:] = 0
@@ -141,7 +142,7 @@ def test_remat_saves_only_what_its_policy_says():
     with contextlib.redirect_stdout(buf):
       print_saved_residuals(loss, s["params"])
     return [tuple(int(n) for n in m.split(",") if n)
-            for m in re.findall(r"^\w+\[([\d,]*)\]", buf.getvalue(), re.M)]
+            for m in re.findall(r"^\w+\[([\d,]*)\]", buf.getvalue(), re.MULTILINE)]
 
   def n_scores(shapes):  # attention scores / probabilities [B, Hkv, G, T, T] or [B, Hkv, G*T, T]
     return sum(1 for sh in shapes if len(sh) >= 4 and sh[-1] == T and sh[-2] % T == 0)
@@ -186,7 +187,7 @@ def test_f32_master_moves_every_step_at_lr_1e6_with_bf16_params():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y.astype(jnp.bfloat16)))
   # Without masters, bf16 weights and moments barely move at this learning rate.
   raw = dataclasses.replace(cfg, master_dtype=None)
-  g, hg, p, s2 = _bf16_setup(raw)
+  g, hg, _, s2 = _bf16_setup(raw)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(s2["params"]))
   before = _copy(s2["params"])
   s2, _ = jit_update_step(g, hg, raw)(s2, batch)
@@ -231,7 +232,7 @@ def test_divergent_update_is_skipped_and_params_stay_finite(lr):
     s, m = step(s, batch)
     assert float(m["skipped"]) == 1.0 and float(m["skip_streak"]) == i + 1
   # nan: the would-be parameters are not finite; 1e30: finite but far larger than the weights.
-  assert float(m["finite"]) == (0.0 if lr != lr else 1.0)
+  assert float(m["finite"]) == (0.0 if math.isnan(lr) else 1.0)
   assert int(s["skipped"]) == 2 and int(s["skip_streak"]) == 2 and int(s["step"]) == 2
   for x, y in zip(jax.tree.leaves(before["params"]), jax.tree.leaves(s["params"])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -241,7 +242,7 @@ def test_divergent_update_is_skipped_and_params_stay_finite(lr):
 
 def test_skip_streak_resets_after_a_good_step():
   cfg = UpdateConfig(lr=1e-3)
-  g, hg, s = _setup(cfg)
+  _, _, s = _setup(cfg)
   step = _step(cfg)
   bad = _batch()
   bad["adv"][0, 3:] = np.nan
@@ -253,7 +254,7 @@ def test_skip_streak_resets_after_a_good_step():
 
 
 def test_reference_logprobs_in_micro_batches_equal_one_pass():
-  g, hg, s = _setup(UpdateConfig())
+  g, _, s = _setup(UpdateConfig())
   batch = _batch(4)
   one = reference_logprobs(g, s["params"], batch, micro_batches=1)
   two = reference_logprobs(g, s["params"], batch, micro_batches=2, temperature=1.0)

@@ -68,7 +68,7 @@ class TensorView:
   def __repr__(self):
     return f"TensorView({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
-  def transpose(self, *axes) -> "TensorView":
+  def transpose(self, *axes) -> TensorView:
     axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
     if any(len(g) != 1 for g in self._split):  # transposing split axes: read it all
       return np.asarray(self).transpose(*axes)
@@ -77,7 +77,7 @@ class TensorView:
                       tuple(self._perm[a] for a in axes))
 
   @property
-  def T(self) -> "TensorView":  # noqa: N802 (numpy's name)
+  def T(self) -> TensorView:  # numpy's name
     return self.transpose()
 
   def reshape(self, *shape):
