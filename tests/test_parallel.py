@@ -79,3 +79,17 @@ def test_logical_rules_map_to_mesh_axes():
   assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
   assert logical_to_spec(("batch", None)) == P(("data", "fsdp"))
   assert logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
+
+
+def test_micro_batch_split_without_mesh_is_a_plain_reshape_and_merge_inverts_it():
+  import numpy as np
+  from trace_jax.parallel import merge_micro_batches, row_shards, split_micro_batches
+  x = {"a": np.arange(24).reshape(8, 3), "b": np.arange(8)}
+  mbs = split_micro_batches(x, 4)
+  assert row_shards(None) == 1
+  np.testing.assert_array_equal(mbs["a"], x["a"].reshape(4, 2, 3))
+  back = merge_micro_batches(mbs)
+  np.testing.assert_array_equal(back["a"], x["a"])
+  np.testing.assert_array_equal(back["b"], x["b"])
+  with pytest.raises(ValueError, match="micro_batches=3"):
+    split_micro_batches(x, 3)

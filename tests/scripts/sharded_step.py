@@ -3,10 +3,14 @@
 Run by tests in a fresh process (device counts must be fixed before JAX starts):
 - `--mode compare`: with 8 fake CPU devices, compare mesh (2,2,2) against one device.
 - `--mode multiprocess`: one of two processes joined by `trace_jax.parallel.initialize`.
+- `--mode update`: with 8 fake CPU devices, the RL update step on mesh (2,2,2) against one device:
+  per-device matmul rows read from the compiled HLO, loss and gradients, out vs in shardings,
+  sharded reference log-probs.
 """
 
 import argparse
 import json
+import re
 import sys
 
 import jax
@@ -42,14 +46,113 @@ def run(mesh):
   return float(loss), float(gnorm), np.asarray(logits), grads
 
 
+def _attention_rows(hlo: str, t: int, group_t: int) -> list[int]:
+  """Leading (rows x kv heads) dim of every attention-score dot `[n, G*T, T]` in per-device HLO."""
+  shapes = re.findall(r"= \w+\[(\d+),(\d+),(\d+)\]\{[^}]*\} dot\(", hlo)
+  return sorted({int(n) for n, m, k in shapes if int(m) == group_t and int(k) == t})
+
+
+def _one_device_step(state, grads, cfg):
+  import optax
+  from trace_jax.rl.update import make_optimizers
+  up, _ = make_optimizers(cfg)[0].update(grads[0], state["opt"], state["params"])
+  return optax.apply_updates(state["params"], up)
+
+
+def update_check(rows=16, t=24, k=3, n_micro=2, compare_plain=False, place=True):
+  """One RL update on mesh (2,2,2) vs one device (see the module docstring)."""
+  from trace_jax.models.predictor import PredictorHead
+  from trace_jax.rl import update as U
+  assert len(jax.devices()) == 8, jax.devices()
+  rs = np.random.RandomState(0)
+  mask = (rs.rand(rows, t) < 0.6).astype(np.float32)
+  mask[:, 0] = 0
+  batch = {"tokens": rs.randint(0, 96, (rows, t)).astype(np.int32),
+           "segment_ids": np.ones((rows, t), np.int32),
+           "positions": np.tile(np.arange(t, dtype=np.int32), (rows, 1)), "mask": mask,
+           "adv": rs.randn(rows, t).astype(np.float32),
+           "old_logp": np.full((rows, t), -4.5, np.float32),
+           "ref_logp": np.zeros((rows, t), np.float32),
+           "pred_pos": rs.randint(0, t, (rows, k)).astype(np.int32),
+           "pred_target": rs.rand(rows, k).astype(np.float32),
+           "pred_weight": np.ones((rows, k), np.float32)}
+  mcfg = get_preset("tiny", vocab_size=96, num_layers=2)
+  graphdef, params = nnx.split(Qwen3(mcfg, rngs=nnx.Rngs(0)))
+  pred_graphdef, pred_params = nnx.split(PredictorHead(mcfg.hidden_size, 16, rngs=nnx.Rngs(1)))
+  cfg = U.UpdateConfig(lr=1e-3, micro_batches=n_micro)
+  mesh = make_mesh("data:2,fsdp:2,tensor:2")
+  out = {}
+
+  # One device: loss and gradients.
+  # (copies: the sharded state below may alias these buffers, and its step donates them)
+  s1 = U.init_train_state(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, pred_params),
+                          cfg)
+  l1, _, g1 = jax.jit(U.make_grad_fn(graphdef, pred_graphdef, cfg))(s1, batch)
+
+  # The state as the training loop builds it: params sharded, predictor and counters not placed.
+  s8 = U.init_train_state(shard_state(params, mesh), pred_params, cfg)
+  b8 = shard_batch(batch, mesh)
+  sh = U.state_shardings(s8, mesh)
+  bsh = U.batch_shardings(batch, mesh)
+  l8, _, g8 = jax.jit(U.make_grad_fn(graphdef, pred_graphdef, cfg, mesh))(s8, b8)
+  out["loss_1"], out["loss_8"] = float(l1), float(l8)
+  out["max_grad_diff"] = max(float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
+                             for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
+
+  # Per-device rows of the attention matmuls in the compiled update (kv heads split over tensor).
+  step = U.jit_update_step(graphdef, pred_graphdef, cfg, sh, bsh)
+  hlo = step.lower(s8, b8).compile().as_text()
+  kv_per_device = mcfg.num_kv_heads // mesh.shape["tensor"]
+  out["expected_rows_per_device"] = rows // (mesh.shape["data"] * mesh.shape["fsdp"]) // n_micro
+  out["attention_rows_per_device"] = [n // kv_per_device
+                                      for n in _attention_rows(hlo, t, mcfg.gqa_group * t)]
+  if compare_plain:  # the plain reshape split (no mesh given), for the record
+    plain = jax.jit(U.make_update_step(graphdef, pred_graphdef, cfg), in_shardings=(sh, bsh),
+                    out_shardings=(sh, None))
+    out["plain_split_rows_per_device"] = [
+        n // kv_per_device for n in _attention_rows(plain.lower(s8, b8).compile().as_text(), t,
+                                                    mcfg.gqa_group * t)]
+
+  # One step: outputs come back in the input shardings, and match one device's step.
+  want = jax.tree.leaves(sh)
+  if place:
+    s8 = U.place_state(s8, sh)
+  s8, m8 = step(s8, b8)
+  got = jax.tree.leaves(s8)
+  out["out_shardings_equal"] = len(want) == len(got) and all(
+      w.is_equivalent_to(x.sharding, x.ndim) for w, x in zip(want, got))
+  out["n_state_leaves"] = len(got)
+  out["sharded_leaves"] = sum(1 for x in got if any(a is not None for a in x.sharding.spec))
+  out["max_param_diff_after_step"] = max(  # same step on one device, from g1
+      float(jnp.abs(jnp.asarray(x) - jnp.asarray(y)).max())
+      for x, y in zip(jax.tree.leaves(_one_device_step(s1, g1, cfg)),
+                      jax.tree.leaves(s8["params"])))
+  out["skipped_8"] = float(m8["skipped"])
+  cache_size = getattr(step, "_cache_size", lambda: 1)  # private jit API; absent: not checked
+  out["cache_size_1"] = cache_size()
+  s8, _ = step(s8, b8)  # a second call reuses the compiled step (shardings stable)
+  out["cache_size_2"] = cache_size()
+
+  # Reference log-probs: micro-batched on device, split over the rows like the batch.
+  ref = U.reference_logprobs(graphdef, s8["params"], b8, micro_batches=n_micro, mesh=mesh)
+  ref1 = U.reference_logprobs(graphdef, s8["params"], batch, micro_batches=1)
+  out["ref_sharding_ok"] = ref.sharding.is_equivalent_to(bsh["tokens"], 2)
+  out["ref_max_diff"] = float(np.abs(np.asarray(ref) - np.asarray(ref1)).max())
+  return out
+
+
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--mode", choices=["compare", "multiprocess"], required=True)
+  p.add_argument("--mode", choices=["compare", "multiprocess", "update"], required=True)
+  p.add_argument("--compare_plain", action="store_true")
+  p.add_argument("--no_place", action="store_true")
   p.add_argument("--coordinator")
   p.add_argument("--num_processes", type=int)
   p.add_argument("--process_id", type=int)
   a = p.parse_args()
-  if a.mode == "compare":
+  if a.mode == "update":
+    print(json.dumps(update_check(compare_plain=a.compare_plain, place=not a.no_place)))
+  elif a.mode == "compare":
     assert len(jax.devices()) == 8, jax.devices()
     l1, g1, lg1, gr1 = run(None)
     mesh = make_mesh("data:2,fsdp:2,tensor:2")

@@ -112,6 +112,13 @@ def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
   return logp, entropy
 
 
+def token_logprobs(logits, targets, temperature: float = 1.0):
+  """Log-prob of each target token only (no entropy), in float32: f32[B, T, V] -> f32[B, T]."""
+  logits = jnp.asarray(logits, jnp.float32) / temperature
+  logp_all = jax.nn.log_softmax(logits, axis=-1)
+  return jnp.take_along_axis(logp_all, jnp.asarray(targets, jnp.int32)[..., None], axis=-1)[..., 0]
+
+
 def predictor_bce(logits, targets, weights=None):
   """Weighted binary cross-entropy of the success predictor against soft targets V(y) in [0, 1].
 

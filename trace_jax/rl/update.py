@@ -1,8 +1,21 @@
 """The jitted RL update: PPO-clip on the policy and BCE on the predictor, in one step.
 
 `(state, batch) -> (state, metrics)`, donated state, micro-batches accumulated with `lax.scan`.
-A step whose loss or gradients are not finite is skipped inside the jitted function (the previous
-state is kept) and counted in `state["skipped"]`.
+
+Scale-out (see DESIGN.md, "Layout at pod scale"):
+- Micro-batches keep the rows split over the (data, fsdp) mesh axes (`parallel.micro_batch`), so
+  each device multiplies rows / (data x fsdp x micro_batches) rows per micro-batch.
+- `jit_update_step(..., state_shardings, batch_shardings)` fixes in and out shardings and donates
+  the state; `state_shardings(state, mesh)` derives them from the parameters' logical axes.
+- Layers are rematerialized per `UpdateConfig.remat`.
+- Master weights: when the policy's parameters are lower precision than `master_dtype` (bf16 params,
+  f32 masters), the state holds f32 masters and f32 Adam moments; the forward pass runs on the
+  masters cast to the policy dtype, exactly the weights the sampler gets from `policy_params`.
+- Divergence guard: a step whose loss, gradients or *updated parameters* are not finite, or whose
+  update is larger than `max_update_ratio` times the parameters' norm, is skipped inside the jitted
+  function: `lax.cond` applies the optimizer only when the would-be update (checked by fused
+  reductions, never stored) is good, so no second copy of the state is kept alive. Skips are
+  counted in `state["skipped"]`, consecutive ones in `state["skip_streak"]`.
 
 Batch layout (all arrays lead with the batch dimension B; per-token arrays are aligned with
 `tokens`, entry t describes token t predicted from position t-1, so entry 0 is always masked):
@@ -21,14 +34,22 @@ Batch layout (all arrays lead with the batch dimension B; per-token arrays are a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from trace_jax.rl.losses import predictor_bce, ppo_clip_loss, token_logprobs_and_entropy
+from trace_jax.models.qwen3.config import resolve_dtype
+from trace_jax.parallel.micro_batch import merge_micro_batches, split_micro_batches
+from trace_jax.parallel.sharding import DEFAULT_RULES, batch_sharding, logical_to_spec
+from trace_jax.rl.losses import (predictor_bce, ppo_clip_loss, token_logprobs,
+                                 token_logprobs_and_entropy)
+
+REMAT_CHOICES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +65,21 @@ class UpdateConfig:
   micro_batches: int = 1
   temperature: float = 1.0
   predictor_weight: float = 1.0
+  # Per-layer rematerialization in the update's forward: none | full | dots.
+  remat: str = "none"
+  # Dtype of the policy weights the sampler runs (the model's param_dtype). None: read it from the
+  # model graph (`cfg.param_dtype`), else the masters' own dtype.
+  param_dtype: Any = None
+  # Masters and Adam moments for lower-precision params ("float32"); None keeps the params' dtype.
+  master_dtype: Any = "float32"
+  # Skip a step whose update norm exceeds this multiple of the parameter norm (0 = off).
+  max_update_ratio: float = 1.0
+
+  def __post_init__(self):
+    if self.remat not in REMAT_CHOICES:
+      raise ValueError(f"UpdateConfig.remat={self.remat!r}; expected one of {REMAT_CHOICES}")
+    if self.micro_batches < 1:
+      raise ValueError(f"UpdateConfig.micro_batches must be >= 1, got {self.micro_batches}")
 
 
 def make_optimizers(cfg: UpdateConfig):
@@ -53,16 +89,100 @@ def make_optimizers(cfg: UpdateConfig):
   return policy, predictor
 
 
+# ---- master weights -------------------------------------------------------------------------------
+def _cast_floats(tree, dtype):
+  dtype = jnp.dtype(resolve_dtype(dtype))
+
+  def cast(x):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+  return jax.tree.map(cast, tree)
+
+
+def to_master(params, master_dtype="float32"):
+  """Floating parameters of lower precision than `master_dtype` cast up to it (others as they are)."""
+  if master_dtype is None:
+    return params
+  m = jnp.dtype(resolve_dtype(master_dtype))
+
+  def up(x):
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < jnp.finfo(m).bits:
+      return x.astype(m)
+    return x
+  return jax.tree.map(up, params)
+
+
+def policy_params(state, param_dtype=None):
+  """The policy weights for the sampler (and the reference): the masters of `state["params"]` (or a
+  params tree) cast to `param_dtype`, e.g. the model config's "bfloat16". None: as stored."""
+  params = state["params"] if isinstance(state, dict) and "params" in state else state
+  return params if param_dtype is None else _cast_floats(params, param_dtype)
+
+
+def _policy_dtype(cfg: UpdateConfig, model):
+  if cfg.param_dtype is not None:
+    return cfg.param_dtype
+  mcfg = getattr(model, "cfg", None)
+  return getattr(mcfg, "param_dtype", None)
+
+
 def init_train_state(params, pred_params, cfg: UpdateConfig) -> dict:
+  """{"params": masters, "opt", "pred_params", "pred_opt", "step", "skipped", "skip_streak"}.
+
+  With bf16 `params` the masters and the Adam moments are `cfg.master_dtype` (f32); the arrays keep
+  the input's sharding.
+  """
   popt, qopt = make_optimizers(cfg)
-  return {"params": params, "opt": popt.init(params), "pred_params": pred_params,
+  master = to_master(params, cfg.master_dtype)
+  return {"params": master, "opt": popt.init(master), "pred_params": pred_params,
           "pred_opt": qopt.init(pred_params), "step": jnp.zeros((), jnp.int32),
-          "skipped": jnp.zeros((), jnp.int32)}
+          "skipped": jnp.zeros((), jnp.int32), "skip_streak": jnp.zeros((), jnp.int32)}
 
 
+# ---- shardings -------------------------------------------------------------------------------------
+def _is_var(x):
+  return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
+  """NamedSharding for every leaf of a train state (concrete or abstract): parameters, their
+  masters and their optimizer moments by the logical axes the model gave them, everything without
+  logical axes (counts, step, scalars) replicated. Same structure as `state` (Variables replaced)."""
+  def one(x):
+    if _is_var(x):
+      v = x.get_value() if hasattr(x, "get_value") else x.value
+      spec = logical_to_spec(getattr(x, "logical_axes", None), rules, mesh, v.shape)
+      return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def batch_shardings(batch, mesh: Mesh, rules=DEFAULT_RULES):
+  """Rows split over the batch mesh axes (data, fsdp), everything else replicated."""
+  return jax.tree.map(lambda x: batch_sharding(mesh, max(len(x.shape), 1), rules), batch)
+
+
+def place_state(state, shardings):
+  """device_put every leaf of `state` in its sharding (e.g. after init or restore)."""
+  return jax.device_put(state, shardings)
+
+
+def _mesh_of(shardings):
+  for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)):
+    if isinstance(s, NamedSharding):
+      return s.mesh
+  return None
+
+
+# ---- loss and gradients ----------------------------------------------------------------------------
 def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_norm, cfg):
+  dtype = _policy_dtype(cfg, nnx.merge(graphdef, params))
+  if dtype is not None:  # the forward runs on exactly the weights the sampler runs
+    params = _cast_floats(params, dtype)
   model = nnx.merge(graphdef, params)
-  out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"])
+  out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                      remat=cfg.remat)
   logp, ent = token_logprobs_and_entropy(out["logits"][:, :-1], mb["tokens"][:, 1:],
                                          cfg.temperature)
   pg, m = ppo_clip_loss(
@@ -79,19 +199,17 @@ def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_nor
   return pg + cfg.predictor_weight * bce, m
 
 
-def make_grad_fn(graphdef, pred_graphdef, cfg: UpdateConfig):
+def make_grad_fn(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | None = None,
+                 rules=DEFAULT_RULES):
   """Returns grads(state, batch) -> (loss, metrics, (policy_grads, predictor_grads)), with the
-  batch split into `cfg.micro_batches` micro-batches whose gradients are summed by `lax.scan`."""
+  batch split into `cfg.micro_batches` micro-batches (each split over the mesh's row axes) whose
+  gradients are summed by `lax.scan`. Gradients are in the masters' dtype."""
   grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
 
   def grads(state, batch):
-    b = batch["tokens"].shape[0]
-    n_micro = cfg.micro_batches
-    if b % n_micro:
-      raise ValueError(f"batch size {b} is not divisible by micro_batches={n_micro}")
     normalizer = jnp.maximum(jnp.sum(batch["mask"][:, 1:]), 1.0)
     pred_norm = jnp.maximum(jnp.sum(batch["pred_weight"]), 1e-6)
-    mbs = jax.tree.map(lambda x: x.reshape((n_micro, b // n_micro) + x.shape[1:]), batch)
+    mbs = split_micro_batches(batch, cfg.micro_batches, mesh, rules)
 
     def one(mb):
       return grad_fn(state["params"], state["pred_params"], graphdef, pred_graphdef, mb,
@@ -114,34 +232,102 @@ def make_grad_fn(graphdef, pred_graphdef, cfg: UpdateConfig):
   return grads
 
 
-def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig):
-  """Returns update(state, batch) -> (state, metrics), ready for jax.jit with donation."""
+# ---- the update step ---------------------------------------------------------------------------------
+def _all_finite(tree):
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | None = None,
+                     rules=DEFAULT_RULES):
+  """Returns update(state, batch) -> (state, metrics), ready for jax.jit with donation.
+
+  Metrics (f32 scalars): the loss terms of `ppo_clip_loss`, predictor_bce, num_tokens, loss,
+  grad_norm, update_ratio (update norm / parameter norm), finite (1 when loss, gradients and the
+  would-be parameters are all finite), skipped (1 when this step was skipped), skip_streak
+  (consecutive skipped steps up to and including this one).
+  """
   popt, qopt = make_optimizers(cfg)
-  grads_fn = make_grad_fn(graphdef, pred_graphdef, cfg)
+  grads_fn = make_grad_fn(graphdef, pred_graphdef, cfg, mesh, rules)
+
+  def apply(state, gp, gq):
+    up, opt = popt.update(gp, state["opt"], state["params"])
+    uq, qopt_state = qopt.update(gq, state["pred_opt"], state["pred_params"])
+    return (optax.apply_updates(state["params"], up), opt,
+            optax.apply_updates(state["pred_params"], uq), qopt_state)
 
   def update(state, batch):
     loss, metrics, (gp, gq) = grads_fn(state, batch)
     gnorm = optax.tree.norm(gp)
-    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm) & jnp.isfinite(optax.tree.norm(gq))
-    up, opt = popt.update(gp, state["opt"], state["params"])
-    uq, qopt_state = qopt.update(gq, state["pred_opt"], state["pred_params"])
-    new = {"params": optax.apply_updates(state["params"], up), "opt": opt,
-           "pred_params": optax.apply_updates(state["pred_params"], uq), "pred_opt": qopt_state}
-    old = {k: state[k] for k in new}
-    new = jax.tree.map(lambda a, o: jnp.where(finite, a, o), new, old)
+    # The would-be update, reduced to a few scalars: XLA fuses these elementwise chains into the
+    # reductions, so neither the updates nor the new parameters are stored here.
+    new_p, _, new_q, _ = apply(state, gp, gq)
+    finite = (jnp.isfinite(loss) & jnp.isfinite(gnorm) & _all_finite(gq) & _all_finite(new_p)
+              & _all_finite(new_q))
+    delta = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), new_p,
+                         state["params"])
+    ratio = optax.tree.norm(delta) / jnp.maximum(optax.tree.norm(state["params"]), 1e-30)
+    ok = finite
+    if cfg.max_update_ratio > 0:
+      ok = ok & (ratio <= cfg.max_update_ratio)
+    keys = ("params", "opt", "pred_params", "pred_opt")
+    new = jax.lax.cond(ok, lambda: apply(state, gp, gq), lambda: tuple(state[k] for k in keys))
+    new = dict(zip(keys, new))
+    skip = (~ok).astype(jnp.int32)
     new["step"] = state["step"] + 1
-    new["skipped"] = state["skipped"] + (~finite).astype(jnp.int32)
-    metrics = dict(metrics, loss=loss, grad_norm=gnorm, finite=finite.astype(jnp.float32))
+    new["skipped"] = state["skipped"] + skip
+    new["skip_streak"] = (state["skip_streak"] + 1) * skip
+    metrics = dict(metrics, loss=loss, grad_norm=gnorm, update_ratio=ratio,
+                   finite=finite.astype(jnp.float32), skipped=skip.astype(jnp.float32),
+                   skip_streak=new["skip_streak"].astype(jnp.float32))
     return new, metrics
 
   return update
 
 
 def jit_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, state_shardings: Any = None,
-                    batch_shardings: Any = None):
-  """jax.jit of the update with the state donated; with shardings, outputs keep the state's."""
-  fn = make_update_step(graphdef, pred_graphdef, cfg)
+                    batch_shardings: Any = None, mesh: Mesh | None = None, rules=DEFAULT_RULES):
+  """jax.jit of the update with the state donated.
+
+  With `state_shardings` (from `state_shardings(state, mesh)`) the state goes in and comes out in
+  exactly those shardings; `batch_shardings` (from `batch_shardings(batch, mesh)`) fixes the batch's.
+  The mesh (for the micro-batch split) is taken from the shardings unless given.
+  """
+  mesh = mesh if mesh is not None else _mesh_of(state_shardings)
+  fn = make_update_step(graphdef, pred_graphdef, cfg, mesh, rules)
   if state_shardings is None:
     return jax.jit(fn, donate_argnums=(0,))
   return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_shardings),
                  out_shardings=(state_shardings, None))
+
+
+# ---- KL reference ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _reference_fn(graphdef, micro_batches: int, mesh, rules, temperature: float):
+  def f(ref_params, tokens, positions, segment_ids):
+    mbs = split_micro_batches(dict(tokens=tokens, positions=positions, segment_ids=segment_ids),
+                              micro_batches, mesh, rules)
+
+    def body(carry, mb):
+      model = nnx.merge(graphdef, ref_params)
+      logits = model.forward(mb["tokens"], positions=mb["positions"],
+                             segment_ids=mb["segment_ids"])["logits"]
+      lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], temperature)
+      return carry, jnp.pad(lp, ((0, 0), (1, 0)))
+    _, out = jax.lax.scan(body, None, mbs)
+    return merge_micro_batches(out, mesh, rules)
+  return jax.jit(f)
+
+
+def reference_logprobs(graphdef, ref_params, batch, micro_batches: int = 1,
+                       mesh: Mesh | None = None, rules=DEFAULT_RULES, temperature: float = 1.0):
+  """Reference-policy log-probs f32[B, T] of `batch["tokens"]` (entry 0 is 0), on device.
+
+  Runs the reference model over `micro_batches` micro-batches (split like the update's, so each
+  device holds B / (shards x micro_batches) rows of logits at a time) inside one jitted `lax.scan`;
+  the result stays on device, split over the rows like the batch, ready for `batch["ref_logp"]`.
+  Jitted once per (graph, micro_batches, mesh, temperature).
+  """
+  fn = _reference_fn(graphdef, int(micro_batches), mesh, tuple(rules), float(temperature))
+  return fn(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"])

@@ -23,6 +23,10 @@ from trace_jax.models.qwen3.rope import apply_rope, rope_cos_sin
 
 _NEG = -1e30  # finite mask value: a fully masked row gives a uniform softmax, never NaN
 
+# Per-layer rematerialization policies (None: save nothing but the layer input).
+REMAT_POLICIES = {"none": None, "full": None,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
 
 def _param(rngs, shape, axes, dtype, std=0.02):
   return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std,
@@ -149,23 +153,36 @@ class Qwen3(nnx.Module):
     w = self.lm_head[...].astype(self.cfg.dtype)
     return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
 
-  def run_layers(self, tokens, positions, attend: AttendFn, collect_hidden=False):
+  def run_layers(self, tokens, positions, attend: AttendFn, collect_hidden=False,
+                 remat: str = "none"):
     """Embeds, runs every layer with a caller-supplied attention, applies the final norm.
+
+    remat: "none" | "full" | "dots" rematerializes each layer in the backward pass (`jax.checkpoint`
+    per layer): "full" keeps only the layer's input, "dots" also keeps the weight matmuls' outputs
+    (no batch dimensions) and recomputes attention scores and elementwise ops. `attend` must then be
+    free of side effects (no cache writes).
 
     Returns (hidden: [B, T, D] after the final norm, per-layer hidden list (HF layout) or None,
     list of per-layer `aux` values returned by `attend`).
     """
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r}; expected one of {sorted(REMAT_POLICIES)}")
     cos, sin = rope_cos_sin(positions, self.cfg)
     x = self.embed(tokens)
     hs = [x] if collect_hidden else None
     auxs = []
     for i, layer in enumerate(self.layers):
-      h = layer.input_layernorm(x)
-      q, k, v = layer.self_attn.qkv(h, cos, sin)
-      o, aux = attend(i, q, k, v)
+      def block(x, layer=layer, i=i):
+        h = layer.input_layernorm(x)
+        q, k, v = layer.self_attn.qkv(h, cos, sin)
+        o, aux = attend(i, q, k, v)
+        x = x + layer.self_attn.out(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, aux
+      if remat != "none":
+        block = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
+      x, aux = block(x)
       auxs.append(aux)
-      x = x + layer.self_attn.out(o)
-      x = x + layer.mlp(layer.post_attention_layernorm(x))
       if collect_hidden and i < len(self.layers) - 1:
         hs.append(x)
     x = self.norm(x)
@@ -175,11 +192,12 @@ class Qwen3(nnx.Module):
 
   # ---- contiguous forward with an optional KV cache -----------------------------------------------
   def forward(self, tokens, positions=None, cache=None, attn_mask=None, segment_ids=None,
-              collect_hidden=False, compute_logits=True):
+              collect_hidden=False, compute_logits=True, remat: str = "none"):
     """tokens: i32[B, T] -> dict(logits f32[B,T,V], hidden [B,T,D], cache, hidden_states).
 
     compute_logits=False skips the vocabulary projection (logits None), for callers that need
-    logits at a few positions only (`self.logits(hidden[...])`).
+    logits at a few positions only (`self.logits(hidden[...])`). remat ("none" | "full" | "dots",
+    see `run_layers`) applies to the cache-free (training) forward only.
     """
     maybe_logits = self.logits if compute_logits else (lambda h: None)
     b, t = tokens.shape
@@ -198,7 +216,7 @@ class Qwen3(nnx.Module):
       def attend(i, q, k, v):
         return dense_attention(q, k, v, mask), None
 
-      hidden, hs, _ = self.run_layers(tokens, positions, attend, collect_hidden)
+      hidden, hs, _ = self.run_layers(tokens, positions, attend, collect_hidden, remat)
       return dict(logits=maybe_logits(hidden), hidden=hidden, cache=None, hidden_states=hs)
 
     lens = cache["lens"]
