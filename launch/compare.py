@@ -1,96 +1,411 @@
-"""Runs several methods with the same seed and rollout budget and compares them.
+"""Every method from the same warm start, over seeds, two budget modes and two regimes.
 
-  python launch/compare.py --config=configs/mhqa.py --methods=trace_tree,trace,grpo
+  python launch/compare.py --config=configs/mhqa.py                     # the whole campaign
+  python launch/compare.py --methods=trace_tree,grpo --seeds=2 --regimes=default --budgets=rollouts
+  python launch/compare.py --dry_run                                   # list the runs only
 
-Each method trains from the same cached warm start (the first run creates it). Writes
-`results/compare_<variant>.json` (every summary plus the wasted-group ratios) and
-`results/compare_<variant>.png` (greedy held-out EM against RL step and against generated tokens,
-effective ratio per method).
+Each run is one `launch/train.py` subprocess with config overrides, in
+`<runs>/<regime>/<budget>/<method>-seed<seed>`. A run whose `summary.json` exists is skipped, so the
+campaign can be done in pieces and extended with more seeds later. All runs share one warm start
+(`sft.seed` fixed by --warm_start_seed, cached under the config's `world.cache_dir`).
+
+Budget modes:
+  rollouts  every method starts root_budget + prefix_budget rollouts per step (a continuation from
+            an anchor counts as one), as in the paper.
+  tokens    equal generated tokens per step: the two-stage methods run with
+            rollout.budget_unit=tokens, under which stage 2 receives the generated tokens that
+            prefix_budget fresh rollouts would cost (this step's mean stage-1 rollout length times
+            prefix_budget) and spends them at each anchor's expected remaining cost, so shorter
+            continuations buy more of them. GRPO and DAPO, which spend the whole budget at roots,
+            are the reference and run as in the rollout mode (the same run serves both rows). The
+            per-run generated tokens are reported, so how equal the spend came out can be checked.
+Regimes:
+  default       the config as given.
+  low_contrast  groups of 4 (32 prompts per step, 128 rollouts; TRACE: 96 at roots out of a pool
+                of 64, 32 for stage 2), plus, when the config has the field, a 3-4-hop training mix
+                (`data.train_hops=3,4`). Measured on the warm start at T=0.8, groups of 4 are mixed
+                0.42/0.56/0.48/0.23 of the time for 1-4 hops, so the mix is what brings GRPO's
+                effective ratio to about 0.3.
+
+Writes to --out (default results/compare): summary.json ({"runs": [...], "aggregates": [...]}),
+summary.md (mean and spread over seeds), em_vs_tokens.png, effective_ratio.png, reliability.png
+and anchor_depths.png.
 """
+
+from __future__ import annotations
 
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.join(_ROOT, "configs"))
 
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from absl import logging as absl_logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
-                                          "configs/mhqa.py[:variant]")
-_METHODS = flags.DEFINE_string("methods", "trace_tree,trace,grpo", "comma-separated methods")
-_OUT = flags.DEFINE_string("out", "results", "output directory")
+METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
+MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
+ROOT_ONLY_METHODS = ("grpo", "dapo")            # no stage 2: one run serves both budget modes
+PREDICTED_METHODS = ("trace", "trace_tree", "root_only")
+
+REGIMES = {
+    "default": {},
+    "low_contrast": {"rollout.prompts_per_step": "32", "rollout.candidate_prompts": "64",
+                     "rollout.root_budget": "96", "rollout.prefix_budget": "32",
+                     "rollout.min_per_prompt": "2"},
+}
+LOW_CONTRAST_HOPS = ("data.train_hops", "3,4")  # applied when the config defines the field
+BUDGETS = {"rollouts": {}, "tokens": {"rollout.budget_unit": "tokens"}}
+
+_CONFIG = flags.DEFINE_string("config", "configs/mhqa.py", "configs/mhqa.py[:variant]")
+_METHODS = flags.DEFINE_string("methods", ",".join(METHODS), "comma-separated methods")
+_SEEDS = flags.DEFINE_integer("seeds", 5, "RL seeds of trace_tree, trace and grpo")
+_BASELINE_SEEDS = flags.DEFINE_integer("baseline_seeds", 3, "RL seeds of the other methods")
+_REGIMES = flags.DEFINE_string("regimes", "default,low_contrast", "comma-separated regimes")
+_BUDGETS = flags.DEFINE_string("budgets", "rollouts,tokens", "comma-separated budget modes")
+_WARM_SEED = flags.DEFINE_integer("warm_start_seed", 0, "sft.seed shared by every run")
+_SET = flags.DEFINE_multi_string("set", [], "extra config override key=value for every run")
 _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run workdirs")
+_OUT = flags.DEFINE_string("out", "results/compare", "output directory")
+_DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
+_PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
 
 
-def _plot(summaries, records, path):
+# ---- the campaign --------------------------------------------------------------------------------
+def _config_keys(config: str) -> set[str]:
+  """Dotted keys of the base config (to apply an override only where the field exists)."""
+  sys.path.insert(0, os.path.join(_ROOT, "configs"))
+  import importlib.util
+  path, _, arg = config.partition(":")
+  spec = importlib.util.spec_from_file_location("_cfg", os.path.join(_ROOT, path)
+                                                if not os.path.isabs(path) else path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config(arg or None)
+
+  def walk(d, prefix=""):
+    for k, v in d.items():
+      if hasattr(v, "items"):
+        yield from walk(v, f"{prefix}{k}.")
+      else:
+        yield f"{prefix}{k}"
+  return set(walk(c))
+
+
+def plan(methods, seeds, baseline_seeds, regimes, budgets, keys=frozenset()) -> list[dict]:
+  """One entry per (regime, budget, method, seed) row; `run` names the workdir that produces it
+  (rows of grpo and dapo in both budget modes share one run)."""
+  rows = []
+  for regime in regimes:
+    overrides = dict(REGIMES[regime])
+    if regime == "low_contrast" and LOW_CONTRAST_HOPS[0] in keys:
+      overrides[LOW_CONTRAST_HOPS[0]] = LOW_CONTRAST_HOPS[1]
+    for budget in budgets:
+      for m in methods:
+        n = seeds if m in MAIN_METHODS else baseline_seeds
+        run_budget = "rollouts" if m in ROOT_ONLY_METHODS else budget
+        for s in range(n):
+          ov = dict(overrides, **BUDGETS[run_budget], method=m, seed=str(s))
+          rows.append(dict(method=m, seed=s, regime=regime, budget=budget,
+                           run=os.path.join(regime, run_budget, f"{m}-seed{s}"), overrides=ov))
+  return rows
+
+
+def train_args(config, workdir, overrides, warm_seed, extra) -> list[str]:
+  args = [f"--config={config}", f"--workdir={workdir}", f"--config.sft.seed={warm_seed}"]
+  args += [f"--config.{k}={v}" for k, v in overrides.items()]
+  return args + [f"--config.{x}" for x in extra]
+
+
+def run_one(config, runs_dir, row, warm_seed, extra) -> dict:
+  """Trains one run (unless its summary exists) and returns its summary."""
+  workdir = os.path.join(runs_dir, row["run"])
+  path = os.path.join(workdir, "summary.json")
+  if os.path.exists(path):
+    return json.load(open(path))
+  os.makedirs(os.path.dirname(workdir), exist_ok=True)
+  cmd = [sys.executable, os.path.join(_ROOT, "launch", "train.py"),
+         *train_args(config, workdir, row["overrides"], warm_seed, extra)]
+  print(f"[compare] {row['run']}: {' '.join(cmd[2:])}", flush=True)
+  log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")
+  with open(log, "w") as f:
+    p = subprocess.run(cmd, cwd=_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  if p.returncode != 0 or not os.path.exists(path):
+    tail = open(log).read()[-3000:]
+    raise RuntimeError(f"run {row['run']} failed (rc={p.returncode}); log {log}:\n{tail}")
+  return json.load(open(path))
+
+
+# ---- collecting ----------------------------------------------------------------------------------
+def _records(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _mean_of(recs, key):
+  vals = [r[key] for r in recs if isinstance(r.get(key), (int, float)) and np.isfinite(r[key])]
+  return float(np.mean(vals)) if vals else None
+
+
+def run_row(row, summary, recs) -> dict:
+  """The issue's schema plus the stage-1/stage-2 and predictor figures of one run."""
+  steps = [r for r in recs if "effective_ratio" in r]
+  slice_last = next((r for r in reversed(steps) if "slice_auc" in r), {})
+  pred = summary.get("predictor") or {}
+  out = dict(method=row["method"], seed=row["seed"], regime=row["regime"], budget=row["budget"],
+             accuracy_start=summary.get("accuracy_start"),
+             accuracy_final=summary.get("accuracy_final"),
+             effective_ratio=summary.get("effective_ratio"),
+             generated_tokens=summary.get("generated_tokens"), rollouts=summary.get("rollouts"),
+             prefill_tokens=summary.get("prefill_tokens"), tool_calls=summary.get("tool_calls"),
+             steps=summary.get("steps"), wall_seconds=summary.get("wall_seconds"),
+             stage1_mixed=_mean_of(steps, "stage1_mixed"),
+             continuations_at_roots=_mean_of(steps, "continuations_at_roots"),
+             anchor_depth_mean=_mean_of(steps, "anchor_depth_mean"),
+             root_auc_allocation=(pred.get("root") or {}).get("auc"),
+             prefix_auc_allocation=(pred.get("prefix") or {}).get("auc"),
+             slice_auc=slice_last.get("slice_auc"), slice_brier=slice_last.get("slice_brier"),
+             slice_ece=slice_last.get("slice_ece"), slice_p_gap=slice_last.get("slice_p_gap"),
+             slice_n=slice_last.get("slice_n"), run=row["run"])
+  return out
+
+
+AGG_KEYS = ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts", "stage1_mixed",
+            "slice_auc", "anchor_depth_mean")
+
+
+def _stats(vals):
+  vals = [v for v in vals if isinstance(v, (int, float)) and np.isfinite(v)]
+  if not vals:
+    return None
+  return dict(mean=float(np.mean(vals)), std=float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0,
+              min=float(np.min(vals)), max=float(np.max(vals)), n=len(vals))
+
+
+def aggregate(rows) -> list[dict]:
+  """Mean and spread over seeds per (regime, budget, method), with the issue's targets against
+  GRPO in the same regime and budget mode."""
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["regime"], r["budget"], r["method"]), []).append(r)
+  out = []
+  for (regime, budget, method), rs in groups.items():
+    a = dict(regime=regime, budget=budget, method=method, seeds=len(rs))
+    for k in AGG_KEYS:
+      a[k] = _stats([r.get(k) for r in rs])
+    out.append(a)
+  by_key = {(a["regime"], a["budget"], a["method"]): a for a in out}
+  for a in out:
+    g = by_key.get((a["regime"], a["budget"], "grpo"))
+    if not g or not a["effective_ratio"] or not g["effective_ratio"]:
+      continue
+    er, ger = a["effective_ratio"]["mean"], g["effective_ratio"]["mean"]
+    a["er_minus_grpo"] = er - ger
+    a["wasted_vs_grpo"] = (1 - er) / (1 - ger) if ger < 1 else None
+    if a["accuracy_final"] and g["accuracy_final"]:
+      a["accuracy_minus_grpo"] = a["accuracy_final"]["mean"] - g["accuracy_final"]["mean"]
+  return out
+
+
+def _fmt(s, digits=3):
+  if s is None:
+    return "-"
+  if isinstance(s, dict):
+    if s["n"] > 1:
+      return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}"
+  return f"{s:+.{digits}f}" if isinstance(s, float) else str(s)
+
+
+def markdown(aggs) -> str:
+  """One table per regime and budget mode: mean ± std over seeds (sample std)."""
+  lines = []
+  order = {m: i for i, m in enumerate(METHODS)}
+  for regime, budget in sorted({(a["regime"], a["budget"]) for a in aggs}):
+    lines += [f"### {regime}, equal {budget}", "",
+              "| method | seeds | EM final | effective ratio | 1-ER vs grpo | EM - grpo | "
+              "generated tokens | rollouts | stage-1 mixed | slice AUC | anchor depth |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = sorted((a for a in aggs if (a["regime"], a["budget"]) == (regime, budget)),
+                  key=lambda a: order.get(a["method"], 99))
+    for a in rows:
+      tok = a["generated_tokens"]
+      tok_s = "-" if tok is None else f"{tok['mean']:.0f} ± {tok['std']:.0f}"
+      roll = a["rollouts"]
+      roll_s = "-" if roll is None else f"{roll['mean']:.0f}"
+      w = a.get("wasted_vs_grpo")
+      lines.append(
+          f"| {a['method']} | {a['seeds']} | {_fmt(a['accuracy_final'])} | "
+          f"{_fmt(a['effective_ratio'])} | {'-' if w is None else f'{w:.2f}'} | "
+          f"{_fmt(a.get('accuracy_minus_grpo'))} | {tok_s} | {roll_s} | "
+          f"{_fmt(a['stage1_mixed'])} | {_fmt(a['slice_auc'])} | "
+          f"{_fmt(a['anchor_depth_mean'], 2)} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+def _cells(rows):
+  return sorted({(r["regime"], r["budget"]) for r in rows})
+
+
+def _band(ax, x, ys, label):
+  ys = np.asarray(ys, np.float64)
+  m = np.nanmean(ys, axis=0)
+  line, = ax.plot(x, m, "o-", ms=3, label=label)
+  if ys.shape[0] > 1:
+    ax.fill_between(x, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), alpha=0.2,
+                    color=line.get_color())
+
+
+def plots(rows, recs_by_run, out_dir) -> list[str]:
+  """EM against generated tokens (seed bands: min-max), effective ratio per step, the slice
+  reliability diagram, and the share of continuations by anchor depth per step."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-  for m, recs in records.items():
-    ev = [r for r in recs if "eval_em" in r]
-    ax[0].plot([r["step"] for r in ev], [r["eval_em"] for r in ev], "o-", label=m)
-    ax[1].plot([r["generated_tokens_total"] for r in ev], [r["eval_em"] for r in ev], "o-",
-               label=m)
-  ms = list(summaries)
-  ax[2].bar(ms, [summaries[m]["effective_ratio"] for m in ms])
-  if "grpo" in summaries:  # the effective ratio at which a method wastes half of grpo's groups
-    ax[2].axhline(1 - 0.5 * (1 - summaries["grpo"]["effective_ratio"]), color="k", ls="--",
-                  label="halves grpo's wasted groups")
-    ax[2].legend(loc="lower right")
-  ax[0].set(xlabel="RL step", ylabel="greedy held-out EM")
-  ax[1].set(xlabel="generated tokens", ylabel="greedy held-out EM")
-  ax[2].set(ylabel="effective ratio (mixed trees)", ylim=(0, 1))
-  for a in ax[:2]:
-    a.legend()
-    a.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+
+  cells = _cells(rows)
+  methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+  paths = []
+
+  def grid(name, draw, sharey=False):
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4), squeeze=False,
+                             sharey=sharey)
+    for ax, cell in zip(axes[0], cells):
+      draw(ax, cell)
+      ax.set_title(f"{cell[0]}, equal {cell[1]}")
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    paths.append(path)
+
+  def runs_of(cell, m):
+    return [r["run"] for r in rows if (r["regime"], r["budget"]) == cell and r["method"] == m]
+
+  def em_vs_tokens(ax, cell):
+    for m in methods:
+      curves = [[r for r in recs_by_run.get(run, []) if "eval_em" in r] for run in runs_of(cell, m)]
+      curves = [c for c in curves if c]
+      if not curves:
+        continue
+      n = min(len(c) for c in curves)
+      tokens = np.mean([[r.get("generated_tokens_total", 0) for r in c[:n]] for c in curves], 0)
+      _band(ax, tokens, [[r["eval_em"] for r in c[:n]] for c in curves], m)
+    ax.set(xlabel="generated tokens", ylabel="greedy held-out EM")
+
+  def er_per_step(ax, cell):
+    for m in methods:
+      curves = [[r["effective_ratio"] for r in recs_by_run.get(run, []) if "effective_ratio" in r]
+                for run in runs_of(cell, m)]
+      curves = [c for c in curves if c]
+      if not curves:
+        continue
+      n = min(map(len, curves))
+      _band(ax, np.arange(1, n + 1), [c[:n] for c in curves], m)
+    ax.set(xlabel="RL step", ylabel="effective ratio (mixed trees)", ylim=(0, 1))
+
+  def reliability(ax, cell):
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    for m in methods:
+      counts, preds, outs = np.zeros(5), np.zeros(5), np.zeros(5)
+      for run in runs_of(cell, m):
+        last = next((r for r in reversed(recs_by_run.get(run, [])) if "slice_calib0_n" in r), None)
+        if last is None:
+          continue
+        for b in range(5):
+          c = last[f"slice_calib{b}_n"]
+          if c > 0:
+            counts[b] += c
+            preds[b] += c * last[f"slice_calib{b}_pred"]
+            outs[b] += c * last[f"slice_calib{b}_outcome"]
+      ok = counts > 0
+      if ok.any():
+        ax.plot(preds[ok] / counts[ok], outs[ok] / counts[ok], "o-",
+                label=f"{m} (n={counts.sum():.0f})")
+    ax.set(xlabel="p̂ at the root (random pool slice)", ylabel="observed success", xlim=(0, 1),
+           ylim=(0, 1))
+
+  def anchor_depths(ax, cell):
+    for m in methods:
+      if m not in PREDICTED_METHODS and m not in ("tree_grpo", "arpo"):
+        continue
+      curves = []
+      for run in runs_of(cell, m):
+        st = [r for r in recs_by_run.get(run, []) if "continuations_depth0" in r]
+        if st:
+          curves.append([sum(d * r[f"continuations_depth{d}"] for d in range(4)) /
+                         max(sum(r[f"continuations_depth{d}"] for d in range(4)), 1) for r in st])
+      if curves:
+        n = min(map(len, curves))
+        _band(ax, np.arange(1, n + 1), [c[:n] for c in curves], m)
+    ax.set(xlabel="RL step", ylabel="mean anchor depth of continuations (0 = root)")
+
+  os.makedirs(out_dir, exist_ok=True)
+  grid("em_vs_tokens.png", em_vs_tokens)
+  grid("effective_ratio.png", er_per_step, sharey=True)
+  grid("reliability.png", reliability, sharey=True)
+  grid("anchor_depths.png", anchor_depths)
+  return paths
 
 
+# ---- main ----------------------------------------------------------------------------------------
 def main(argv):
   del argv
-  import mhqa
-  import logging
-
-  from trace_jax.metrics import read_jsonl
-  from trace_jax.train import train
-
-  logging.getLogger("bm25s").setLevel(logging.WARNING)
-  absl_logging.set_verbosity(absl_logging.WARNING)
-  base = _CONFIG.value
-  summaries, records = {}, {}
-  for m in _METHODS.value.split(","):
-    c = base.copy_and_resolve_references()
-    c.method = m
-    c.workdir = os.path.join(_RUNS.value, f"{c.variant}-{m}-seed{c.seed}")
-    s = train(c, validate_fn=mhqa.validate)
-    summaries[m] = s
-    records[m] = read_jsonl(os.path.join(c.workdir, "metrics.jsonl"))
-  wasted = {m: 1.0 - s["effective_ratio"] for m, s in summaries.items()}
-  out = dict(
-      command="python launch/compare.py " + " ".join(sys.argv[1:]),
-      machine=dict(platform=platform.platform(), cpu_count=os.cpu_count()),
-      date=time.strftime("%Y-%m-%d %H:%M:%S"), budget_held_equal="rollouts per step",
-      summaries=summaries, wasted_groups=wasted,
-      wasted_ratio_vs_grpo={m: wasted[m] / wasted["grpo"] for m in wasted
-                            if "grpo" in wasted and wasted["grpo"] > 0})
+  methods = [m for m in _METHODS.value.split(",") if m]
+  unknown = [m for m in methods if m not in METHODS]
+  regimes = [r for r in _REGIMES.value.split(",") if r]
+  budgets = [b for b in _BUDGETS.value.split(",") if b]
+  if unknown or set(regimes) - set(REGIMES) or set(budgets) - set(BUDGETS):
+    raise SystemExit(f"unknown methods {unknown}, regimes {set(regimes) - set(REGIMES)} or budgets "
+                     f"{set(budgets) - set(BUDGETS)}")
+  keys = _config_keys(_CONFIG.value)
+  if "low_contrast" in regimes and LOW_CONTRAST_HOPS[0] not in keys:
+    print(f"[compare] the config has no {LOW_CONTRAST_HOPS[0]}: the low-contrast regime uses "
+          "groups of 4 over the whole hop mix", flush=True)
+  rows = plan(methods, _SEEDS.value, _BASELINE_SEEDS.value, regimes, budgets, keys)
+  todo = sorted({r["run"] for r in rows})
+  done = [r for r in todo if os.path.exists(os.path.join(_RUNS.value, r, "summary.json"))]
+  print(f"[compare] {len(rows)} rows, {len(todo)} runs, {len(done)} already finished", flush=True)
+  if _DRY.value:
+    for r in rows:
+      print(r["run"], r["budget"], json.dumps(r["overrides"]))
+    return
+  summaries = {}
+  for r in rows:
+    if r["run"] not in summaries:
+      summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value)
+  recs = {run: _records(os.path.join(_RUNS.value, run)) for run in summaries}
+  table = [run_row(r, summaries[r["run"]], recs[r["run"]]) for r in rows]
+  aggs = aggregate(table)
   os.makedirs(_OUT.value, exist_ok=True)
-  stem = os.path.join(_OUT.value, f"compare_{base.variant}")
-  with open(stem + ".json", "w") as f:
+  out = dict(command="python launch/compare.py " + " ".join(sys.argv[1:]),
+             machine=dict(platform=platform.platform(), cpu_count=os.cpu_count()),
+             date=time.strftime("%Y-%m-%d %H:%M:%S"), config=_CONFIG.value,
+             overrides=_SET.value, warm_start_seed=_WARM_SEED.value,
+             regimes={k: REGIMES[k] for k in regimes}, budgets={k: BUDGETS[k] for k in budgets},
+             low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
+             runs=table, aggregates=aggs)
+  with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(out, f, indent=1, default=str)
-  _plot(summaries, records, stem + ".png")
-  print(json.dumps({m: {k: s[k] for k in ("accuracy_start", "accuracy_final", "effective_ratio",
-                                          "generated_tokens", "rollouts", "wall_seconds")}
-                    for m, s in summaries.items()}, indent=1))
+  md = markdown(aggs)
+  with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
+    f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
+            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n" + md)
+  if _PLOTS.value:
+    plots(table, recs, _OUT.value)
+  print(md, flush=True)
 
 
 if __name__ == "__main__":

@@ -254,3 +254,16 @@ def test_token_advantages_gathers_per_node_values():
   ids = jnp.array([[-1, 0, 0, 2], [-1, 1, -1, -1]])
   out = adv.token_advantages(jnp.array([0.5, -1.0, 2.0]), ids)
   np.testing.assert_allclose(out, [[0, 0.5, 0.5, 2.0], [0, -1.0, 0, 0]])
+
+
+def test_each_baseline_trains_with_its_own_advantage():
+  from trace_jax.rl.batch import ADVANTAGES
+  from trace_jax.rollout.strategies import STRATEGIES, advantage_for
+  assert advantage_for("tree_grpo", "tree_contrastive") == "tree_grpo"
+  assert advantage_for("arpo", "tree_contrastive") == "grpo"
+  assert advantage_for("grpo", "treerl") == "grpo" and advantage_for("dapo", "treerl") == "grpo"
+  for m in ("trace", "trace_tree", "root_only"):
+    assert advantage_for(m, "treerl") == "treerl"
+  assert all(advantage_for(m, "tree_contrastive") in ADVANTAGES for m in STRATEGIES)
+  with pytest.raises(ValueError, match="unknown strategy"):
+    advantage_for("nope", "grpo")

@@ -330,3 +330,21 @@ def test_uniform_prefixes():
   np.testing.assert_array_equal(strat.uniform_prefixes(jnp.zeros(3, bool), 5), [0, 0, 0])
   k = np.asarray(jax.jit(strat.uniform_prefixes)(valid, 4, jax.random.key(3)))
   assert k.sum() == 4 and sorted(k[[1, 2, 4]]) == [1, 1, 2] and k[0] == k[3] == 0
+
+
+def test_anchor_posterior():
+  """Beta posterior of the tree's counts around p̂(root), shifted in logit by p̂(h) - p̂(root)."""
+  logit = lambda p: np.log(p) - np.log1p(-p)  # noqa: E731
+  sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+  p_anchor = jnp.array([0.5, 0.8, 0.3, 0.6])
+  p_root = jnp.array([0.5, 0.5, 0.3, 0.6])
+  succ = jnp.array([0.0, 0.0, 3.0, 0.0])
+  trials = jnp.array([4.0, 4.0, 3.0, 0.0])
+  out = np.asarray(alloc.anchor_posterior(p_anchor, p_root, succ, trials, 4.0))
+  tree0 = (4 * 0.5 + 0) / 8  # 0.25
+  tree2 = (4 * 0.3 + 3) / 7
+  np.testing.assert_allclose(out, [tree0, sig(logit(tree0) + logit(0.8) - logit(0.5)), tree2, 0.6],
+                             rtol=1e-5)
+  # s = 0: the counts alone; an anchor equal to its root gets the tree's rate (clipped).
+  out0 = np.asarray(alloc.anchor_posterior(p_root, p_root, succ, trials, 0.0))
+  np.testing.assert_allclose(out0, [1e-4, 1e-4, 1 - 1e-4, 0.6], rtol=1e-5)

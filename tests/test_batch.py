@@ -92,7 +92,7 @@ def test_hand_tree_tree_contrastive_values():
   np.testing.assert_array_equal(s2["mask"], [0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1])
   np.testing.assert_array_equal(s4["mask"], [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1])
   np.testing.assert_array_equal(s5["mask"], [0, 0, 0, 0, 1, 1])
-  np.testing.assert_array_equal(s4["pred_weight"], [0, 0, 1, 1])
+  np.testing.assert_array_equal(s4["pred_weight"], [0, 0, 1, 0])  # n3 only; leaves weigh 0
   np.testing.assert_allclose(s4["pred_target"], [v_root, v1, 0.0, 0.0], atol=1e-6)
   np.testing.assert_allclose(s2["old_logp"][4:7], [-0.1, -0.2, -0.3], atol=1e-7)
 
@@ -113,7 +113,7 @@ def test_every_generated_token_trained_once_with_its_node_advantage(forest, kind
 
 
 def test_predictor_targets_once_per_node(forest):
-  seqs, flat, _ = build_sequences(forest, "tree_contrastive", MAX_DEPTH)
+  seqs, flat, _ = build_sequences(forest, "tree_contrastive", MAX_DEPTH, pred_leaf_weight=1.0)
   weight = collections.Counter()
   offset, k = 0, 0
   for t in forest:
@@ -130,6 +130,27 @@ def test_predictor_targets_once_per_node(forest):
   assert set(weight) == set(range(offset))
   assert all(w == 1.0 for w in weight.values())
   assert 0.0 <= min(flat["value"]) and max(flat["value"]) <= 1.0
+  # By default leaves, never queried at allocation, weigh nothing; every other node still once.
+  seqs0, _, _ = build_sequences(forest, "tree_contrastive", MAX_DEPTH)
+  leaves = sum(len(t.leaves()) for t in forest)
+  assert sum(s["pred_weight"].sum() for s in seqs0) == offset - leaves
+
+
+def test_predictor_targets_leave_out_continuations_forked_below():
+  """A stage-2 continuation forked from n1 counts for n1 and its own nodes, not for the root:
+  the root's target is the mean of the rollouts started at the root only."""
+  t = Tree([1, 2], uid=0)
+  a = t.add_node(0, gen_ids=[5], obs_ids=[6], rollout=0)
+  t.add_node(a.id, gen_ids=[7], done=True, reward=0.0, rollout=0)
+  t.add_node(0, gen_ids=[8], done=True, reward=0.0, rollout=1)
+  for r in range(2, 5):  # three continuations from n1, all successes
+    t.add_node(a.id, gen_ids=[9], done=True, reward=1.0, rollout=r)
+  seqs, flat, _ = build_sequences([t], "tree_contrastive", MAX_DEPTH)
+  assert flat["value"][0] == pytest.approx(0.6)  # the advantage still sees every leaf
+  root_targets = {float(s["pred_target"][0]) for s in seqs}
+  assert root_targets == {0.0}                    # only rollouts 0 and 1 started at the root
+  n1 = [float(s["pred_target"][1]) for s in seqs if len(s["pred_target"]) == 3]
+  assert set(n1) == {0.75}                        # n1: its own rollout and the three forks
 
 
 @pytest.mark.parametrize("kind", sorted(ADVANTAGES))
@@ -234,7 +255,7 @@ def test_pack_min_rows_and_multiple():
 
 
 def test_pack_respects_preds_per_row():
-  seqs, _, _ = build_sequences([hand_tree()], "grpo", MAX_DEPTH)
+  seqs, _, _ = build_sequences([hand_tree()], "grpo", MAX_DEPTH, pred_leaf_weight=1.0)
   # Paths of 4 (n4, longest), 3 (n2) and 2 (n5) nodes: n2 cannot join n4's row, n5 joins n2's.
   b, info = pack_batch(seqs, 64, 5, row_multiple=1)
   assert info["rows"] == 2

@@ -5,6 +5,7 @@ environment's reward depends on the generated tokens, so trees come out mixed an
 """
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -60,7 +61,8 @@ def sampled(engine, request):
   if (method, use_pred) not in _CACHE:
     driver = RolloutDriver(engine, DriverConfig(method=method, **CFG), predict, prompt_features,
                            seed=0)
-    examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+    examples = [dict(prompt_ids=p, answers=["x"], id=str(i), method=method)
+                for i, p in enumerate(PROMPTS)]
     s = driver.sample(examples, use_predictor=use_pred)
     engine.release(s.all_trees)
     _CACHE[(method, use_pred)] = s
@@ -73,12 +75,15 @@ TWO_STAGE = [c for c in CASES if c[0] != "dapo"]
 
 
 def _root_counts(trees):
-  return [len(t.root.children) for t in trees]
+  """Stage-1 rollouts per tree (stage 2 may fork more at the root of an unmixed tree)."""
+  return [t.meta["stage1_rollouts"] for t in trees]
 
 
 def _extra_branches(trees):
-  """Continuations forked below the root: children beyond the first at every turn node."""
-  return sum(len(n.children) - 1 for t in trees for n in t.nodes[1:] if n.children)
+  """Stage-2 continuations: children beyond the first at every turn node, plus root children
+  beyond the stage-1 rollouts."""
+  return sum(len(n.children) - 1 for t in trees for n in t.nodes[1:] if n.children) + \
+      sum(len(t.root.children) - t.meta["stage1_rollouts"] for t in trees)
 
 
 @pytest.mark.parametrize("sampled", TWO_STAGE, indirect=True, ids=str)
@@ -87,17 +92,24 @@ def test_equal_budget_and_fork_sites(sampled):
   trees = s.trees
   assert s.all_trees is s.trees or s.all_trees == s.trees
   roots, extra = sum(_root_counts(trees)), _extra_branches(trees)
+  # The measured slice (predicted roots) is sampled outside the budget: the ledger leaves it out.
   assert info["ledger_rollouts_started"] == roots + extra
   assert info["continuations"] == extra
   assert info["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET, (roots, extra, info)
-  # Forks happen only at internal turn boundaries: never at leaves, and each fork site is a turn
-  # (depth >= 1) that an earlier rollout continued past.
+  # Forks happen only at anchors: never at leaves; a turn that an earlier rollout continued past,
+  # or the root of a tree whose stage-1 leaves all agree (predicted strategies only).
   for t in trees:
     for n in t.nodes[1:]:
       if len(n.children) > 1:
         assert not n.done and n.depth >= 1
     assert len(t.leaves()) == len(t.root.children) + sum(
         len(n.children) - 1 for n in t.nodes[1:] if n.children)
+    if len(t.root.children) > t.meta["stage1_rollouts"]:
+      assert PREFIX_ALLOCATION[t.meta.get("method", "trace")].startswith("predicted")
+      stage1 = [x.reward for x in t.leaves() if x.rollout < t.meta["stage1_rollouts"]]
+      assert len(set(r > 0.5 for r in stage1)) == 1  # only unmixed trees
+  assert info["continuations_at_roots"] == sum(len(t.root.children) - t.meta["stage1_rollouts"]
+                                               for t in trees)
   assert info["stage1_leaves"] == roots
   assert info["ledger_generated_tokens"] == sum(len(n.gen_ids) for t in trees for n in t.nodes)
 
@@ -136,19 +148,34 @@ def test_predictions_and_p_hat(sampled, request):
     assert all(0.0 <= t.root.p_hat <= 1.0 for t in trees)
     assert trees[0].root.p_hat > 0.98
   if use_pred and predicted_prefixes:
-    assert by_stage["prefix"] == sampled.info["continuations"]
+    assert by_stage["prefix"] + by_stage["root_anchor"] == sampled.info["continuations"]
+    assert by_stage["root_anchor"] == sampled.info["continuations_at_roots"]
   else:
-    assert by_stage["prefix"] == 0
-  # Every candidate anchor of a predicted stage 2 carries its allocation-time p̂; 0.5 without
-  # the predictor.
+    assert by_stage["prefix"] == by_stage["root_anchor"] == 0
+  # Every candidate anchor of a predicted stage 2 carries its allocation-time estimate; without
+  # the predictor that is the tree's Beta posterior around p̂ = 0.5 (the stage-1 counts move it).
   anchors = [n for t in trees for n in t.nodes[1:]
-             if not n.done and n.children and n.rollout < len(t.root.children)]  # stage 1
+             if not n.done and n.children and n.rollout < t.meta["stage1_rollouts"]]
   if predicted_prefixes:
     assert anchors and all(n.p_hat is not None and 0.0 <= n.p_hat <= 1.0 for n in anchors)
     if not use_pred:
-      assert all(n.p_hat == 0.5 for n in anchors)
+      for t in trees:
+        s1 = [x for x in t.leaves() if x.rollout < t.meta["stage1_rollouts"]]
+        post = (0.5 * 4.0 + sum(x.reward for x in s1)) / (4.0 + len(s1))
+        for n in t.nodes[1:]:
+          if not n.done and n.children and n.rollout < t.meta["stage1_rollouts"]:
+            assert n.p_hat == pytest.approx(post, abs=1e-5)
   else:
     assert all(n.p_hat is None for n in anchors)
+  # The random slice of the pool: measured (p̂, outcome) pairs outside the budget.
+  if use_pred and predicted_roots:
+    assert len(sampled.slice_predictions) == len(PROMPTS) * 2  # min(8, pool) prompts x 2
+    assert all(st == "slice" and 0.0 <= p <= 1.0 for st, p, _ in sampled.slice_predictions)
+    assert sampled.info["slice_n"] == len(PROMPTS) * 2
+    assert sampled.info["slice_rollouts_started"] == len(PROMPTS) * 2
+    assert sampled.info["slice_generated_tokens"] > 0
+  else:
+    assert sampled.slice_predictions == [] and "slice_n" not in sampled.info
 
 
 @pytest.mark.parametrize("sampled", [("dapo", True)], indirect=True, ids=str)
@@ -243,3 +270,155 @@ def test_prompt_scoring_is_counted_as_prefill(engine):
   before = engine.ledger.prefill_tokens
   engine.prompt_features(PROMPTS)
   assert engine.ledger.prefill_tokens - before == sum(map(len, PROMPTS))
+
+
+def test_root_continuations_happen_somewhere():
+  """The engine runs above must include forks at the root of an unmixed tree (trace or
+  trace_tree), or the root-anchor checks in test_equal_budget_and_fork_sites test little."""
+  assert any(s.info.get("continuations_at_roots", 0) > 0 for s in _CACHE.values()), \
+      {k: s.info.get("continuations_at_roots") for k, s in _CACHE.items()}
+
+
+# ---- stage 2 details on hand-built trees (no engine) ---------------------------------------------
+def _logit(p):
+  return float(np.log(p) - np.log1p(-p))
+
+
+def _chain(t, gens, reward, p_hats=None, rollout=-1, entropies=None):
+  """One rollout from the root with turns generating gens[i] tokens; features make the stand-in
+  predictor say p_hats[i] at the i-th turn boundary."""
+  parent = 0
+  for d, g in enumerate(gens):
+    last = d == len(gens) - 1
+    f = None if p_hats is None or last else np.asarray([_logit(p_hats[d]), 1.0], np.float32)
+    ent = [entropies[d], 0.0] if entropies is not None else []
+    parent = t.add_node(parent, gen_ids=[5] * g, obs_ids=[] if last else [7], feature=f,
+                        done=last, reward=reward if last else None, rollout=rollout,
+                        entropies=ent).id
+  return t
+
+
+def test_remaining_cost_averages_over_rollouts_that_pass_the_depth():
+  """A rollout that ends at depth 1 is no continuation from depth 1: the depth-1 cost is the mean
+  over the rollouts that go on (7), not (7 + 0) / 2; depth 0 is a whole rollout."""
+  t = Tree([1, 2])
+  _chain(t, [2, 3, 4], 0.0)
+  _chain(t, [5], 1.0)
+  cost = RolloutDriver._remaining_cost([t])
+  assert cost == {0: pytest.approx(7.0), 1: pytest.approx(7.0), 2: pytest.approx(4.0)}
+
+
+def _two_anchor_tree():
+  """One failed rollout: turn 1 (2 tokens), turn 2 (25 tokens), answer (5 tokens). The anchor
+  after turn 1 looks even (p̂ 0.5, 30 tokens to go), the one after turn 2 poor (p̂ 0.2, 5 to go)."""
+  t = Tree([1, 2])
+  t.root.feature = np.asarray([0.0, 1.0], np.float32)
+  return _chain(t, [2, 25, 5], 0.0, p_hats=[0.5, 0.2])
+
+
+@pytest.mark.parametrize("unit,want", [("rollouts", [1, 0]), ("tokens", [0, 1])])
+def test_ranking_per_rollout_or_per_token(unit, want):
+  """Under a rollout budget every continuation costs one rollout: the larger gain wins (q = 0.5
+  beats q = 0.8). Under a token budget (32 tokens, one fresh rollout's worth) gain per expected
+  token wins: 0.2 / 5 beats 0.5 / 30, and the 30-token anchor no longer fits."""
+  trees = [_two_anchor_tree()]
+  cfg = DriverConfig(method="trace", prefix_budget=1, max_per_anchor=1, budget_unit=unit,
+                     anchor_posterior=False, root_anchors=False)
+  driver = RolloutDriver(None, cfg, predict, prompt_features)
+  cands = driver._candidates(trees)
+  assert [nid for _, nid in cands] == [1, 2]
+  k, p = driver._prefix_counts(trees, cands, use_predictor=True)
+  np.testing.assert_allclose(p, [0.5, 0.2], atol=1e-5)
+  assert k.tolist() == want
+  # cost_aware=False ranks by gain alone also under a token budget.
+  driver = RolloutDriver(None, dataclasses.replace(cfg, cost_aware=False), predict,
+                         prompt_features)
+  assert driver._prefix_counts(trees, cands, use_predictor=True)[0].tolist() == [1, 0]
+
+
+def test_root_is_an_anchor_of_unmixed_trees_only():
+  """Every stage-1 rollout of tree 0 failed after turn boundaries that look hopeless (p̂ 0.02);
+  its prompt looks even (p̂ 0.5): the fresh draw at the root is the best continuation. A mixed
+  tree's root is no candidate, nor are roots for the baselines."""
+  t0 = Tree([1, 2])
+  t0.root.feature = np.asarray([0.0, 1.0], np.float32)
+  for r in range(2):
+    _chain(t0, [3, 3], 0.0, p_hats=[0.02], rollout=r)
+  t1 = Tree([3, 4])
+  t1.root.feature = np.asarray([0.0, 1.0], np.float32)
+  _chain(t1, [3, 3], 0.0, p_hats=[0.4], rollout=0)
+  _chain(t1, [3, 3], 1.0, p_hats=[0.6], rollout=1)
+  trees = [t0, t1]
+  cfg = DriverConfig(method="trace_tree", prefix_budget=1, max_per_anchor=1,
+                     anchor_posterior=False)
+  driver = RolloutDriver(None, cfg, predict, prompt_features)
+  cands = driver._candidates(trees)
+  assert (0, 0) in cands and (1, 0) not in cands
+  k, _ = driver._prefix_counts(trees, cands, use_predictor=True)
+  assert k[cands.index((0, 0))] == 1 and k.sum() == 1
+  for method in ("root_only", "tree_grpo", "arpo"):
+    d = RolloutDriver(None, dataclasses.replace(cfg, method=method), predict, prompt_features)
+    assert all(nid != 0 for _, nid in d._candidates(trees))
+  d = RolloutDriver(None, dataclasses.replace(cfg, root_anchors=False), predict, prompt_features)
+  assert all(nid != 0 for _, nid in d._candidates(trees))
+
+
+def test_anchor_estimates_use_the_trees_own_outcomes():
+  """Four failed stage-1 rollouts of a prompt the head rates 0.5: the Beta posterior (s = 4) says
+  (2 + 0) / 8 = 0.25 for the prompt, and an anchor the head rates one logit above its prompt
+  moves one logit above 0.25."""
+  t = Tree([1, 2])
+  t.root.feature = np.asarray([0.0, 1.0], np.float32)
+  for r in range(4):
+    _chain(t, [3, 3], 0.0, p_hats=[1 / (1 + np.exp(-1.0))], rollout=r)
+  driver = RolloutDriver(None, DriverConfig(method="trace"), predict, prompt_features)
+  cands = driver._candidates([t])
+  p, _ = driver._estimates([t], cands, use_predictor=True)
+  want_anchor = 1 / (1 + np.exp(-(_logit(0.25) + 1.0)))
+  np.testing.assert_allclose(p, [0.25] + [want_anchor] * 4, atol=1e-5)
+  off = RolloutDriver(None, DriverConfig(method="trace", anchor_posterior=False), predict,
+                      prompt_features)
+  np.testing.assert_allclose(off._estimates([t], cands, use_predictor=True)[0],
+                             [0.5] + [1 / (1 + np.exp(-1.0))] * 4, atol=1e-5)
+
+
+def test_tokens_budget_buys_more_short_continuations_for_baselines():
+  """Under budget_unit="tokens" the baselines' rules get the continuations that the tokens of
+  prefix_budget fresh rollouts buy at their candidates' mean cost: 4 x 12 / 6 = 8 here."""
+  trees = [_chains(5, depth=2)]
+  for n in trees[0].nodes[1:]:  # two turns of 6 tokens: 12 per rollout, 6 from an anchor
+    n.gen_ids = [5] * 6
+  for method in ("root_only", "tree_grpo", "arpo"):
+    cfg = DriverConfig(method=method, prefix_budget=4, max_per_anchor=4, budget_unit="tokens")
+    d = RolloutDriver(None, cfg, predict, prompt_features)
+    k, _ = d._prefix_counts(trees, d._candidates(trees), use_predictor=False)
+    assert int(np.sum(k)) == 8, method
+
+
+def test_arpo_branches_by_entropy_rise_and_respects_the_cap():
+  """Delta H = entropy after the tool result minus the rollout's initial entropy. Chain c's
+  anchor has Delta H = c (initial entropy 10 - c, then 10); the top quarter of 8 anchors (2) branch
+  first, at most max_per_anchor = 2 each; the 6-continuation budget then reaches anchor 5."""
+  t = Tree([1, 2])
+  for c in range(8):
+    _chain(t, [2, 2], float(c % 2), rollout=c, entropies=[10.0 - c, 10.0])
+  cfg = DriverConfig(method="arpo", prefix_budget=6, max_per_anchor=2, arpo_entropy_top=0.25)
+  d = RolloutDriver(None, cfg, predict, prompt_features)
+  cands = d._candidates([t])
+  k = d._prefix_counts([t], cands, use_predictor=False)[0]
+  by_chain = [int(k[j]) for j in range(8)]
+  assert by_chain == [0, 0, 0, 0, 0, 2, 2, 2], by_chain
+
+
+def test_tree_grpo_expands_every_tree():
+  """Tree-GRPO expands nodes of every tree: a tree with one anchor gets half of the budget even
+  next to a tree with ten."""
+  small, big = _chains(1), _chains(10)
+  cfg = DriverConfig(method="tree_grpo", prefix_budget=4, max_per_anchor=4)
+  d = RolloutDriver(None, cfg, predict, prompt_features, seed=3)
+  trees = [small, big]
+  cands = d._candidates(trees)
+  k = d._prefix_counts(trees, cands, use_predictor=False)[0]
+  per_tree = [sum(int(kk) for (ti, _), kk in zip(cands, k) if ti == i) for i in range(2)]
+  assert per_tree == [2, 2]
+  assert max(int(kk) for (ti, _), kk in zip(cands, k) if ti == 1) == 1  # distinct anchors first

@@ -3,7 +3,8 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.predictor import PredictorHead
-from trace_jax.rl.predictor_fit import PredictorFitter, node_examples
+from trace_jax.rl.predictor_fit import (PredictorFitter, node_examples, rollout_start_depths,
+                                        rollout_values)
 from trace_jax.rl.predictor_metrics import auc
 from trace_jax.rl.update import UpdateConfig, make_optimizers
 from trace_jax.rollout.tree import Tree
@@ -56,17 +57,22 @@ def test_visit_weighting_weighs_nodes_by_leaf_count():
   a = t.add_node(0, feature=np.zeros(3, np.float32))
   for r in (1.0, 0.0, 0.0):
     t.add_node(a.id, done=True, reward=r, feature=np.ones(3, np.float32))
-  x, y, n, root = node_examples([t], with_meta=True)
+  x, y, n, root, leaf = node_examples([t], with_meta=True)
   assert n.tolist() == [3.0, 3.0, 1.0, 1.0, 1.0]
   assert root.tolist() == [True, False, False, False, False]
+  assert leaf.tolist() == [False, False, True, True, True]
   tx = make_optimizers(UpdateConfig())[1]
   g = nnx.split(PredictorHead(3, 4, rngs=nnx.Rngs(0)))[0]
-  visits = PredictorFitter(g, tx, weighting="visits")
+  visits = PredictorFitter(g, tx, weighting="visits", leaf_weight=1.0)
   visits.add([t])
   assert visits.roots[0][2].tolist() + visits.buffer[0][2].tolist() == n.tolist()
-  uniform = PredictorFitter(g, tx)
+  uniform = PredictorFitter(g, tx, leaf_weight=1.0)
   uniform.add([t])
   assert uniform.roots[0][2].tolist() + uniform.buffer[0][2].tolist() == [1.0] * 5
+  # By default leaves (never queried at allocation) weigh nothing.
+  default = PredictorFitter(g, tx, weighting="visits")
+  default.add([t])
+  assert default.roots[0][2].tolist() + default.buffer[0][2].tolist() == [3.0, 3.0, 0, 0, 0]
   with pytest.raises(ValueError, match="weighting"):
     PredictorFitter(g, tx, weighting="depth")
 
@@ -113,3 +119,53 @@ def test_roots_are_refeaturized_under_the_current_policy():
   assert calls == [40]
   p = np.asarray(nnx.merge(g, s).prob(root_features([[1, 7], [0, 7]])))
   assert p[0] > 0.8 and p[1] < 0.2, p
+
+
+def test_targets_count_only_rollouts_started_at_or_above():
+  """Root: two stage-1 rollouts (0 and 0); three continuations forked at n1 (all 1) count for n1
+  but not for the root, whose target stays 0 with 2 counted leaves (visit weight 2, not 5)."""
+  t = Tree([1])
+  t.root.feature = np.ones(3, np.float32)
+  a = t.add_node(0, feature=np.zeros(3, np.float32), rollout=0)
+  t.add_node(a.id, done=True, reward=0.0, rollout=0)
+  t.add_node(0, done=True, reward=0.0, rollout=1)
+  for r in range(2, 5):
+    t.add_node(a.id, done=True, reward=1.0, rollout=r)
+  values, counts = rollout_values(t)
+  assert values[0] == 0.0 and counts[0] == 2
+  assert values[a.id] == pytest.approx(0.75) and counts[a.id] == 4
+  assert rollout_start_depths(t) == [-1, 0, 0, 0, 1, 1, 1]
+  x, y, n, root, _ = node_examples([t], with_meta=True)
+  assert y.tolist()[:2] == [0.0, 0.75] and n.tolist()[:2] == [2.0, 4.0]
+  t.backup()
+  assert t.root.value == pytest.approx(0.6)  # what the biased target would have been
+
+
+def test_fitter_has_its_own_optimizer_state():
+  """The fitter steps its own Adam state, never the one passed by the older call (the joint
+  update's), and `state_dict` / `load_state_dict` round-trip it: a restored fitter continues
+  exactly like the original."""
+  import jax
+  rs = np.random.RandomState(3)
+  g, s0 = nnx.split(PredictorHead(8, 16, rngs=nnx.Rngs(0)))
+  tx = make_optimizers(UpdateConfig(predictor_lr=1e-2))[1]
+  joint = tx.init(s0)
+  fitter = PredictorFitter(g, tx, steps=5, bucket=64, pred_state=s0)
+  trees = _trees(rs, 40)
+  fitter.add(trees)
+  s1, joint_out, info = fitter.fit(s0, joint)
+  assert joint_out is joint  # passed through untouched
+  assert int(fitter.state_dict()["opt_state"][0].count) == 5
+  s2, info2 = fitter.fit(s1)
+  assert set(info2) >= {"predictor_fit_rows", "predictor_fit_leaf_weight_share"}
+  saved = jax.tree.map(np.asarray, fitter.state_dict())
+  other = PredictorFitter(g, tx, steps=5, bucket=64, pred_state=s0)
+  other.load_state_dict(saved)
+  other.add(trees)
+  a, _ = fitter.fit(s2)
+  b, _ = other.fit(s2)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+  fresh = PredictorFitter(g, tx)
+  with pytest.raises(ValueError, match="init"):
+    fresh.state_dict()

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from trace_jax.rl import predictor_metrics as pm
@@ -66,3 +67,14 @@ def test_predictor_report_against_constant_baseline():
   assert rep["ece"] < 0.06
   rep = pm.predictor_report([0.3, 0.6], [1.0, 1.0])
   assert math.isnan(rep["auc"]) and math.isnan(rep["brier_skill"])
+
+
+def test_stratified_by_outcome():
+  from trace_jax.rl.predictor_metrics import stratified_by_outcome
+  out = stratified_by_outcome([0.9, 0.7, 0.2, 0.4, 0.5], [1, 1, 0, 0, 0], prefix="s_")
+  assert out["s_n_success"] == 2 and out["s_n_failure"] == 3
+  assert out["s_p_success"] == pytest.approx(0.8) and out["s_p_failure"] == pytest.approx(11 / 30)
+  assert out["s_p_gap"] == pytest.approx(0.8 - 11 / 30)
+  assert out["s_brier_success"] == pytest.approx((0.01 + 0.09) / 2)
+  empty = stratified_by_outcome([0.3], [0])
+  assert np.isnan(empty["p_success"]) and np.isnan(empty["p_gap"]) and empty["n_success"] == 0

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from trace_jax.rl import advantages as adv_lib
+from trace_jax.rl.predictor_fit import rollout_values
 from trace_jax.rollout.tree import Tree, to_flat
 
 ADVANTAGES = {
@@ -46,8 +47,14 @@ def node_advantages(flat: dict, kind: str, max_depth: int, normalize: bool = Tru
   return np.asarray(_jitted(kind, max_depth, normalize)(*args))[:n]
 
 
-def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize: bool = True):
+def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize: bool = True,
+                    pred_leaf_weight: float = 0.0):
   """Per-leaf sequences with per-token mask/advantage/old log-prob and per-node predictor targets.
+
+  Predictor targets are V(y) over the leaves of rollouts started at y or above
+  (`predictor_fit.rollout_values`: stage-2 continuations forked below y were placed by looking at
+  y's outcomes and would bias it); each node is weighted once (by the first sequence holding it),
+  leaves by `pred_leaf_weight` (0: allocation never queries them).
 
   Returns (list of dicts, flat, node_adv). Each dict: tokens, mask (generated and owned), adv,
   old_logp (i.e. f32/i32 arrays [L]), pred_pos / pred_target / pred_weight ([nodes on the path]).
@@ -56,6 +63,7 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
   adv = node_advantages(flat, kind, max_depth, normalize)
   seqs, offset, owned_tokens, owned_nodes = [], 0, set(), set()
   for t in trees:
+    targets, _ = rollout_values(t)
     for leaf in t.leaves():
       ids, gen, owner, lps = t.path_tokens(leaf.id)
       gid = owner + offset
@@ -69,10 +77,11 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
       for nid in t.path(leaf.id):
         end += t.nodes[nid].num_tokens
         g = nid + offset
-        v = flat["value"][g]
+        v = targets[nid]
         pos.append(max(end - 1, 0))
-        tgt.append(0.0 if np.isnan(v) else float(v))
-        w.append(1.0 if (g not in owned_nodes and not np.isnan(v)) else 0.0)
+        tgt.append(0.0 if v is None else float(v))
+        w.append(0.0 if (g in owned_nodes or v is None) else
+                 (pred_leaf_weight if t.nodes[nid].done else 1.0))
         owned_nodes.add(g)
       seqs.append(dict(tokens=ids, mask=mask, adv=np.where(gen, adv[gid], 0.0).astype(np.float32),
                        old_logp=lps, pred_pos=np.asarray(pos, np.int32),

@@ -101,3 +101,23 @@ def predictor_report(p, y, n_bins: int = 10) -> dict:
   b0 = report["baseline_brier"]
   report["brier_skill"] = 1.0 - report["brier"] / b0 if b0 > 0 else float("nan")
   return report
+
+
+def stratified_by_outcome(p, y, prefix: str = "") -> dict:
+  """p̂ within each outcome class (y >= 0.5 success, else failure): counts, mean p̂ and Brier per
+  class, and their gap. The pooled metrics mix the classes by their base rate; per class, a
+  predictor that says 0.5 everywhere shows a gap of 0 whatever the base rate.
+
+  Returns:
+    dict of floats: {prefix}n_success, n_failure, p_success (mean p̂ over successes), p_failure,
+    brier_success, brier_failure, p_gap = p_success - p_failure (NaN for an empty class).
+  """
+  p, y = _as_arrays(p, y)
+  pos = y >= 0.5
+  out = {}
+  for name, sel in (("success", pos), ("failure", ~pos)):
+    out[f"{prefix}n_{name}"] = float(sel.sum())
+    out[f"{prefix}p_{name}"] = float(p[sel].mean()) if sel.any() else float("nan")
+    out[f"{prefix}brier_{name}"] = brier(p[sel], y[sel])
+  out[f"{prefix}p_gap"] = out[f"{prefix}p_success"] - out[f"{prefix}p_failure"]
+  return out

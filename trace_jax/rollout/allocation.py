@@ -346,3 +346,33 @@ def blend_with_outcomes(p_hat, successes, trials, prior_strength):
   post = (s * p_hat + jnp.asarray(successes, jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
   return jnp.where(denom > 0, post, p_hat)
 
+
+
+def anchor_posterior(p_anchor, p_root, successes, trials, prior_strength):
+  """Success estimate of an anchor from its tree's own stage-1 outcomes and the predictor.
+
+  The tree's prompt success rate gets a Beta posterior: prior Beta(s p_root, s (1 - p_root)) with
+  s = prior_strength, updated with the tree's stage-1 `successes` out of `trials`, posterior mean
+  p_tree = (s p_root + successes) / (s + trials). What the predictor says about the anchor beyond
+  its prompt, p_anchor against p_root, then shifts that mean in logit space:
+    logit(p_h) = logit(p_tree) + logit(p_anchor) - logit(p_root),
+  so the root itself gets p_tree, an anchor the head rates above its prompt stays above it, and
+  the result stays in (0, 1). The leaves of the same tree speak about the prompt more directly than
+  the head does; the head still ranks anchors within a tree. prior_strength = 0 trusts the counts
+  alone (where trials > 0); with no trials the result is p_anchor.
+
+  Args:
+    p_anchor: f32[H] predictor estimate at each anchor.
+    p_root: f32[H] predictor estimate at the anchor's tree root.
+    successes, trials: f32[H] stage-1 successes and rollouts of the anchor's tree.
+    prior_strength: scalar >= 0.
+
+  Returns:
+    f32[H] posterior success probabilities, clipped to [1e-4, 1 - 1e-4].
+  """
+  lo, hi = 1e-4, 1.0 - 1e-4
+  p_anchor = jnp.clip(jnp.asarray(p_anchor, jnp.float32), lo, hi)
+  p_root = jnp.clip(jnp.asarray(p_root, jnp.float32), lo, hi)
+  p_tree = jnp.clip(blend_with_outcomes(p_root, successes, trials, prior_strength), lo, hi)
+  logit = lambda p: jnp.log(p) - jnp.log1p(-p)  # noqa: E731
+  return jnp.clip(jax.nn.sigmoid(logit(p_tree) + logit(p_anchor) - logit(p_root)), lo, hi)

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from trace_jax.rl import predictor_metrics
 from trace_jax.rollout import allocation, strategies
 from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerEngine
 from trace_jax.rollout.tree import Tree
@@ -30,9 +31,15 @@ class DriverConfig:
   max_per_prompt: int = 12
   prompts_per_step: int = 0   # predicted roots: prompts given rollouts out of a larger pool (0 = all)
   max_per_anchor: int = 4
-  budget_unit: str = "rollouts"
+  budget_unit: str = "rollouts"   # rollouts | tokens (see `_prefix_counts`)
+  cost_aware: bool = True         # tokens: rank anchors by gain per expected token (else by gain)
   tree_lambda: float = 0.1
-  blend_prior: float = 0.0
+  blend_prior: float = 0.0        # per-anchor blend with its own outcome (superseded by the below)
+  anchor_posterior: bool = True   # q from a Beta posterior of the tree's stage-1 counts and p̂
+  anchor_prior_strength: float = 4.0  # s of that posterior's prior Beta(s p̂(root), s(1 - p̂(root)))
+  root_anchors: bool = True       # predicted stage 2: the root of an unmixed tree is an anchor
+  metric_slice: int = 8           # predicted roots: random pool prompts measured per step (0 = off)
+  metric_rollouts: int = 2        # rollouts per measured prompt (outside the budget, not trained)
   dapo_oversample: float = 1.5
   arpo_entropy_top: float = 0.25
 
@@ -43,6 +50,7 @@ class StepSample:
   all_trees: list        # every tree sampled (dapo: dropped groups too)
   predictions: list      # (stage, p_hat, outcome) for every rollout allocated by prediction
   info: dict
+  slice_predictions: list = dataclasses.field(default_factory=list)  # ("slice", p_hat, outcome)
 
 
 def _outcome(tree: Tree, node_id: int) -> float:
@@ -63,6 +71,7 @@ class RolloutDriver:
     self.engine, self.cfg, self.predict = engine, cfg, predict
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
+    self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
 
   # ---- stage 1 -----------------------------------------------------------------------------------
   def _root_counts(self, examples, use_predictor):
@@ -92,88 +101,164 @@ class RolloutDriver:
 
   # ---- stage 2 -----------------------------------------------------------------------------------
   def _candidates(self, trees):
-    """Internal turn boundaries of the stage-1 chains: (tree index, node id) with features."""
+    """Stage-2 anchors: (tree index, node id). Internal turn boundaries of the stage-1 chains, and,
+    for the predicted strategies with `root_anchors`, the root of every tree whose stage-1 leaves
+    all agree (a fresh draw there is the only way to flip a tree whose rollouts all took the same
+    wrong turn at the first step)."""
+    roots = self.cfg.root_anchors and \
+        strategies.PREFIX_ALLOCATION[self.cfg.method].startswith("predicted")
     cands = []
     for ti, t in enumerate(trees):
+      if roots and t.leaves() and not t.mixed:
+        cands.append((ti, 0))
       for n in t.nodes:
         if n.parent >= 0 and not n.done and n.children:
           cands.append((ti, n.id))
     return cands
 
-  def _remaining_cost(self, trees) -> dict[int, float]:
-    """Expected generated tokens of a continuation from depth d, from this step's stage 1."""
+  @staticmethod
+  def _remaining_cost(trees) -> dict[int, float]:
+    """Expected generated tokens of a continuation from an anchor at depth d (0 = the root: a whole
+    rollout), averaged over this step's stage-1 rollouts that pass depth d, i.e. that still had a
+    turn to generate after it (a rollout that ends at depth d is a leaf there, not an anchor)."""
     per_depth: dict[int, list[float]] = {}
     for t in trees:
       for leaf in t.leaves():
         path = t.path(leaf.id)
         gen = [len(t.nodes[i].gen_ids) for i in path]
-        for d in range(1, len(path)):
+        for d in range(len(path) - 1):  # path[-1] is the leaf
           per_depth.setdefault(d, []).append(float(sum(gen[d + 1:])))
-    return {d: max(np.mean(v), 1.0) for d, v in per_depth.items()}
+    return {d: max(float(np.mean(v)), 1.0) for d, v in per_depth.items()}
+
+  def _estimates(self, trees, cands, use_predictor):
+    """Success estimates of the candidates for stage 2: p̂(h), and with `anchor_posterior` the
+    Beta posterior of the tree's stage-1 counts shifted by p̂(h) - p̂(root) (see
+    `allocation.anchor_posterior`). Returns f32[H]."""
+    c = self.cfg
+    h = len(cands)
+    used = sorted({ti for ti, _ in cands})
+    if use_predictor:
+      feats = [trees[ti].nodes[nid].feature for ti, nid in cands]
+      feats += [trees[ti].root.feature for ti in used]
+      have = [f is not None for f in feats]
+      p_all = np.full(len(feats), 0.5, np.float32)
+      if any(have):
+        p_all[np.asarray(have)] = np.asarray(
+            self.predict(np.stack([f for f in feats if f is not None])), np.float32)
+      p_hat, p_root_t = p_all[:h], dict(zip(used, p_all[h:]))
+    else:
+      p_hat, p_root_t = np.full(h, 0.5, np.float32), {ti: 0.5 for ti in used}
+    outcomes = np.asarray([_outcome(trees[ti], nid) for ti, nid in cands], np.float32)
+    if c.anchor_posterior:
+      succ = {ti: sum(float(x.reward or 0.0) for x in trees[ti].leaves()) for ti in used}
+      trials = {ti: float(len(trees[ti].leaves())) for ti in used}
+      p_hat = np.asarray(allocation.anchor_posterior(
+          p_hat, np.asarray([p_root_t[ti] for ti, _ in cands], np.float32),
+          np.asarray([succ[ti] for ti, _ in cands], np.float32),
+          np.asarray([trials[ti] for ti, _ in cands], np.float32), c.anchor_prior_strength))
+    elif c.blend_prior > 0:
+      p_hat = np.asarray(allocation.blend_with_outcomes(p_hat, outcomes, np.ones(h),
+                                                        c.blend_prior))
+    return np.clip(p_hat, 1e-4, 1 - 1e-4).astype(np.float32), outcomes
 
   def _prefix_counts(self, trees, cands, use_predictor):
+    """Continuations per candidate, and the success estimates the allocation used (or None).
+
+    budget_unit="rollouts": `prefix_budget` continuations, ranked by marginal gain per rollout.
+    budget_unit="tokens": stage 2 gets the generated tokens `prefix_budget` fresh rollouts would
+    cost (the mean whole-rollout length of this step's stage 1, times prefix_budget), so a method
+    whose continuations start deep, hence are short, gets more of them: the step then spends about
+    the generated tokens of uniform GRPO with root_budget + prefix_budget rollouts. The predicted
+    allocators spend it anchor by anchor at each anchor's expected cost (ranked by gain per
+    expected token when `cost_aware`); the baselines' rules get as many continuations as the
+    tokens buy at their candidates' mean cost.
+    """
     c = self.cfg
     kind = strategies.PREFIX_ALLOCATION[c.method]
     h = len(cands)
     if kind == "none" or h == 0 or c.prefix_budget <= 0:
       return np.zeros(h, np.int32), None
-    valid = np.ones(h, bool)
-    if kind == "uniform":
-      key = jax.random.key(int(self.rng.integers(2**31)))
-      return np.asarray(strategies.uniform_prefixes(valid, c.prefix_budget, key)), None
-    if kind == "random":
-      # Each continuation goes to a uniformly random anchor (distinct anchors first), so the whole
-      # budget is spent even with fewer candidates than continuations.
-      key = jax.random.key(int(self.rng.integers(2**31)))
-      k = np.asarray(strategies.random_anchors(key, valid, min(c.prefix_budget, h),
-                                               branches_per_anchor=1))
-      extra = c.prefix_budget - int(k.sum())
-      if extra > 0:
-        np.add.at(k, self.rng.integers(h, size=extra), 1)
-      return k, None
-    if kind == "entropy":
-      ent = np.asarray([trees[ti].nodes[trees[ti].nodes[nid].children[0]].entropies[0]
-                        if trees[ti].nodes[trees[ti].nodes[nid].children[0]].entropies else 0.0
-                        for ti, nid in cands], np.float32)
-      n_anchor = max(1, int(round(c.arpo_entropy_top * h)))
-      per = max(1, c.prefix_budget // n_anchor)
-      k = np.asarray(strategies.entropy_anchors(ent, valid, top_n=n_anchor,
-                                                branches_per_anchor=per)).copy()
-      # The remainder goes one each to the highest-entropy chosen anchors.
-      chosen = [i for i in np.argsort(-ent, kind="stable") if k[i] > 0]
-      for j in range(c.prefix_budget - int(k.sum())):
-        k[chosen[j % len(chosen)]] += 1
-      return _trim_to_budget(k, c.prefix_budget), None
-    outcomes = np.asarray([_outcome(trees[ti], nid) for ti, nid in cands], np.float32)
-    if use_predictor:
-      feats = np.stack([trees[ti].nodes[nid].feature for ti, nid in cands])
-      p_hat = np.asarray(self.predict(feats), np.float32)
-    else:
-      p_hat = np.full(h, 0.5, np.float32)
-    if c.blend_prior > 0:
-      p_hat = np.asarray(allocation.blend_with_outcomes(p_hat, outcomes, np.ones(h),
-                                                        c.blend_prior))
-    p_hat = np.clip(p_hat, 1e-4, 1 - 1e-4)
     cost_by_depth = self._remaining_cost(trees)
     costs = np.asarray([cost_by_depth.get(trees[ti].nodes[nid].depth, 1.0) for ti, nid in cands],
                        np.float32)
-    budget = c.prefix_budget
-    if c.budget_unit == "tokens":  # the same number of rollouts, priced at their expected tokens
-      budget = float(c.prefix_budget * np.mean(costs))
+    tokens = c.budget_unit == "tokens"
+    token_budget = float(c.prefix_budget * cost_by_depth.get(0, float(np.mean(costs))))
+    n_cont = c.prefix_budget
+    if tokens:
+      n_cont = max(1, int(round(token_budget / float(np.mean(costs)))))
+    valid = np.ones(h, bool)
+    if kind == "uniform":
+      key = jax.random.key(int(self.rng.integers(2**31)))
+      return np.asarray(strategies.uniform_prefixes(valid, n_cont, key)), None
+    if kind == "random":
+      return self._tree_grpo_counts(trees, cands, n_cont), None
+    if kind == "entropy":
+      return self._arpo_counts(trees, cands, n_cont), None
+    p_hat, outcomes = self._estimates(trees, cands, use_predictor)
+    budget = token_budget if tokens else c.prefix_budget
+    cost_aware = bool(c.cost_aware and tokens)
     # Pad candidates (and trees) to buckets so the jitted allocators compile once per bucket.
     hp = -(-h // 64) * 64
     padf = lambda x, v: np.concatenate([x, np.full(hp - h, v, x.dtype)])  # noqa: E731
     args = (padf(p_hat, 0.5), padf(outcomes, 0.0), padf(costs, 1.0))
     if kind == "predicted":
-      k = _alloc_prefixes(c.max_per_anchor, c.budget_unit)(*args, budget, padf(valid, False))
+      k = _alloc_prefixes(c.max_per_anchor, c.budget_unit, cost_aware)(
+          *args, budget, padf(valid, False))
     else:
       tree_ids = np.asarray([ti for ti, _ in cands], np.int32)
       tp = -(-len(trees) // 16) * 16
       mixed = np.zeros(tp, bool)
       mixed[:len(trees)] = [t.mixed for t in trees]
-      k = _alloc_tree_aware(c.max_per_anchor, c.budget_unit, c.tree_lambda)(
+      k = _alloc_tree_aware(c.max_per_anchor, c.budget_unit, c.tree_lambda, cost_aware)(
           *args, padf(tree_ids, 0), mixed, budget, padf(valid, False))
     return np.asarray(k)[:h], p_hat
+
+  def _tree_grpo_counts(self, trees, cands, n_cont):
+    """Tree-GRPO's expansion: every tree expands randomly chosen nodes of its own. The
+    continuations are split evenly over the trees that have candidates (the remainder to random
+    ones); within a tree each goes to a uniformly random anchor, distinct anchors first, at most
+    `max_per_anchor` each while room remains."""
+    c = self.cfg
+    by_tree: dict[int, list[int]] = {}
+    for j, (ti, _) in enumerate(cands):
+      by_tree.setdefault(ti, []).append(j)
+    tids = list(by_tree)
+    share = np.full(len(tids), n_cont // len(tids), np.int64)
+    share[self.rng.permutation(len(tids))[:n_cont % len(tids)]] += 1
+    k = np.zeros(len(cands), np.int32)
+    left = 0
+    for ti, n in zip(tids, share):
+      js = np.asarray(by_tree[ti])
+      kt = _round_robin(js[self.rng.permutation(len(js))], len(cands), int(n), c.max_per_anchor)
+      k += kt
+      left += int(n) - int(kt.sum())
+    if left:  # trees whose anchors are all at the cap pass their share on
+      k += _round_robin(self.rng.permutation(len(cands)), len(cands), left, c.max_per_anchor,
+                        start=k)
+    return k
+
+  def _arpo_counts(self, trees, cands, n_cont):
+    """ARPO's entropy-triggered branching: after a tool result, the rise of the next-token entropy
+    over the rollout's initial entropy (ARPO's Delta H) says where the trajectory is most open.
+    The top `arpo_entropy_top` share of anchors by Delta H branch, the continuations spread over
+    them round-robin in Delta H order, at most `max_per_anchor` each; when those caps bind, the
+    next anchors by Delta H take the rest."""
+    c = self.cfg
+
+    def first_entropy(t, nid):
+      n = t.nodes[t.nodes[nid].children[0]]
+      return n.entropies[0] if n.entropies else 0.0
+
+    def initial_entropy(t, nid):  # the first token of the rollout through nid
+      n = t.nodes[t.path(nid)[1]]
+      return n.entropies[0] if n.entropies else 0.0
+
+    dh = np.asarray([first_entropy(trees[ti], nid) - initial_entropy(trees[ti], nid)
+                     for ti, nid in cands], np.float32)
+    h = len(cands)
+    n_anchor = max(1, int(round(c.arpo_entropy_top * h)))
+    order = np.argsort(-dh, kind="stable")
+    return _round_robin(order, h, n_cont, c.max_per_anchor, first=n_anchor)
 
   # ---- one step ----------------------------------------------------------------------------------
   def sample(self, examples: list[dict], use_predictor: bool = True) -> StepSample:
@@ -184,6 +269,8 @@ class RolloutDriver:
     m, p_root = self._root_counts(examples, use_predictor)
     reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, m) if k > 0]
     trees = self.engine.run(reqs)
+    for t in trees:  # stage-1 rollouts of the tree (stage 2 may add more at the root)
+      t.meta["stage1_rollouts"] = len(t.leaves())
     predictions = []
     if p_root is not None and use_predictor:
       p_kept = [p for p, k in zip(p_root, m) if k > 0]
@@ -211,30 +298,90 @@ class RolloutDriver:
     unmixed = [not t.mixed for t in trees]  # stage-1 state, once per tree
     extra["continuations_unmixed_trees"] = int(sum(kk for (ti, _), kk in zip(cands, k)
                                                    if unmixed[ti]))
+    extra["continuations_at_roots"] = int(sum(kk for (_, nid), kk in zip(cands, k) if nid == 0))
+    depths = [trees[ti].nodes[nid].depth for ti, nid in cands]
+    extra["anchor_depth_mean"] = float(np.average(depths, weights=k)) if k.sum() else float("nan")
+    for d in range(4):  # where stage 2 spends: continuations by anchor depth (3 = 3 and deeper)
+      extra[f"continuations_depth{d}"] = int(sum(kk for dd, kk in zip(depths, k)
+                                                 if min(dd, 3) == d))
     for j, ((ti, nid), kk) in enumerate(zip(cands, k)):
-      if p_pref is not None:
+      if p_pref is not None and nid != 0:  # the root keeps its stage-1 p̂
         trees[ti].nodes[nid].p_hat = float(p_pref[j])
       if kk > 0:
         before[(ti, nid)] = set(trees[ti].nodes[nid].children)
         forks.append(ForkRequest(trees[ti], nid, int(kk)))
-    if forks:
-      self.engine.run(forks)
+    slice_reqs, slice_p = self._slice_requests(examples, p_root, use_predictor)
+    if forks or slice_reqs:
+      # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its cost is
+      # taken out of this step's ledger below.
+      out = self.engine.run(forks + slice_reqs)
+      slice_trees = out[len(out) - len(slice_reqs):] if slice_reqs else []
+    else:
+      slice_trees = []
     if p_pref is not None and use_predictor:
       for j, (ti, nid) in enumerate(cands):
         if (ti, nid) in before:
           t = trees[ti]
+          stage = "root_anchor" if nid == 0 else "prefix"
           for ch in set(t.nodes[nid].children) - before[(ti, nid)]:
-            predictions += [("prefix", float(p_pref[j]), float(l.reward or 0.0))
+            predictions += [(stage, float(p_pref[j]), float(l.reward or 0.0))
                             for l in _leaves_under(t, ch)]
     for t in trees:
       t.backup()
+    slice_preds, slice_info = self._record_slice(slice_trees, slice_p)
     ledger = {k2: v - ledger0.get(k2, 0) for k2, v in self.engine.ledger.as_dict().items()}
+    if slice_trees:
+      cost = _trees_cost(slice_trees)
+      for k2, v in cost.items():
+        ledger[k2] -= v
+      slice_info.update({f"slice_{k2}": v for k2, v in cost.items()})
+      self.engine.release(slice_trees)
     info = dict(stage1_mixed=stage1_mixed, stage1_leaves=stage1_leaves, candidates=len(cands),
                 anchors_used=int((k > 0).sum()), continuations=int(k.sum()),
                 root_counts_std=float(np.std(m[m > 0])) if (m > 0).any() else 0.0,
                 prompts_sampled=int((m > 0).sum()), prompts_scored=len(examples), **extra,
-                **{f"ledger_{a}": b for a, b in ledger.items()})
-    return StepSample(trees=trees, all_trees=trees, predictions=predictions, info=info)
+                **slice_info, **{f"ledger_{a}": b for a, b in ledger.items()})
+    return StepSample(trees=trees, all_trees=trees, predictions=predictions, info=info,
+                      slice_predictions=slice_preds)
+
+  # ---- online predictor metrics on a random slice of the pool ------------------------------------
+  def _slice_requests(self, examples, p_root, use_predictor):
+    """A uniformly random slice of the scored pool, sampled outside the budget (not trained on):
+    the allocation picks prompts near p̂ = 0.5, which hides how well p̂ ranks prompts, so its
+    ranking quality is measured here, on prompts chosen without looking at p̂."""
+    c = self.cfg
+    if p_root is None or not use_predictor or c.metric_slice <= 0 or c.metric_rollouts <= 0:
+      return [], []
+    idx = self.rng.choice(len(examples), min(c.metric_slice, len(examples)), replace=False)
+    reqs = [PromptRequest(examples[i]["prompt_ids"], int(c.metric_rollouts),
+                          meta=dict(examples[i], metric_slice=True)) for i in idx]
+    return reqs, [float(p_root[i]) for i in idx]
+
+  def _record_slice(self, slice_trees, slice_p):
+    """Per-rollout (p̂, outcome) of the slice, and the slice metrics so far in the run: AUC, Brier
+    and calibration over all slice rollouts, the same over the last 5 steps, and p̂ stratified by
+    outcome (its mean over successes and over failures)."""
+    preds = [("slice", p, float(x.reward or 0.0)) for t, p in zip(slice_trees, slice_p)
+             for x in t.leaves()]
+    if not preds:
+      return [], {}
+    self._slice_log.append(preds)
+    info = {}
+    for name, steps in (("", self._slice_log), ("_recent", self._slice_log[-5:])):
+      p = np.asarray([x[1] for s in steps for x in s])
+      y = np.asarray([x[2] for s in steps for x in s])
+      rep = predictor_metrics.predictor_report(p, y)
+      info.update({f"slice_auc{name}": rep["auc"], f"slice_brier{name}": rep["brier"],
+                   f"slice_ece{name}": rep["ece"], f"slice_n{name}": int(rep["n"])})
+      if not name:
+        info.update(predictor_metrics.stratified_by_outcome(p, y, prefix="slice_"))
+        cc = predictor_metrics.calibration_curve(p, y, n_bins=5)
+        for b in range(5):  # the run's reliability diagram so far, in the per-step metrics
+          info[f"slice_calib{b}_n"] = float(cc["count"][b])
+          info[f"slice_calib{b}_pred"] = float(cc["mean_pred"][b])
+          info[f"slice_calib{b}_outcome"] = float(cc["mean_outcome"][b])
+    return preds, info
+
 
   def _sample_dapo(self, examples, ledger0) -> StepSample:
     """Equal-budget DAPO: the caller passes oversampled prompts (`dapo_prompts`); the budget is
@@ -271,15 +418,15 @@ def _alloc_roots_subset(budget, num_selected, min_per_prompt, max_per_prompt):
 
 
 @functools.lru_cache(maxsize=None)
-def _alloc_prefixes(max_per_anchor, budget_unit):
+def _alloc_prefixes(max_per_anchor, budget_unit, cost_aware):
   return jax.jit(lambda p, o, c, b, v: allocation.allocate_prefixes(
-      p, o, c, b, v, max_per_anchor, budget_unit=budget_unit))
+      p, o, c, b, v, max_per_anchor, budget_unit=budget_unit, cost_aware=cost_aware))
 
 
 @functools.lru_cache(maxsize=None)
-def _alloc_tree_aware(max_per_anchor, budget_unit, lam):
+def _alloc_tree_aware(max_per_anchor, budget_unit, lam, cost_aware):
   return jax.jit(lambda p, o, c, t, m, b, v: allocation.allocate_prefixes_tree_aware(
-      p, o, c, t, m, b, v, max_per_anchor, lam, budget_unit=budget_unit))
+      p, o, c, t, m, b, v, max_per_anchor, lam, budget_unit=budget_unit, cost_aware=cost_aware))
 
 
 def dapo_prompts(prompts_per_step: int, oversample: float) -> int:
@@ -297,8 +444,40 @@ def _leaves_under(tree: Tree, node_id: int):
   return out
 
 
-def _trim_to_budget(k: np.ndarray, budget: int) -> np.ndarray:
-  k = np.asarray(k).copy()
-  while k.sum() > budget:
-    k[np.argmax(k)] -= 1
-  return k
+def _trees_cost(trees) -> dict[str, int]:
+  """What sampling `trees` from their prompts cost, in the ledger's terms: rollouts started,
+  generated tokens, prefill tokens (the prompt but its pending last token, then every
+  observation) and tool calls (every turn but those cut before the environment ran)."""
+  turns = [n for t in trees for n in t.nodes[1:]]
+  return dict(rollouts_started=sum(len(t.leaves()) for t in trees),
+              generated_tokens=sum(len(n.gen_ids) for n in turns),
+              prefill_tokens=sum(len(t.prompt_ids) - 1 for t in trees) +
+              sum(len(n.obs_ids) for n in turns),
+              tool_calls=sum(n.truncated not in ("max_seq_len", "pool_exhausted") for n in turns))
+
+
+def _round_robin(order, size: int, budget: int, cap: int, first: int | None = None,
+                 start=None) -> np.ndarray:
+  """Hands `budget` units one at a time round-robin over the first `first` indices of `order`
+  (all of them by default), none above `cap`; when all of those are full, the next index of
+  `order` joins. Returns the units added on top of `start` (i32[size]); fewer than `budget` only
+  when every index is full."""
+  k = np.zeros(size, np.int32) if start is None else np.asarray(start, np.int32).copy()
+  k0 = k.copy()
+  order = [int(i) for i in order]
+  first = len(order) if first is None else max(1, min(int(first), len(order)))
+  active, rest, left = order[:first], order[first:], int(budget)
+  while left > 0:
+    progressed = False
+    for i in active:
+      if left == 0:
+        break
+      if k[i] < cap:
+        k[i] += 1
+        left -= 1
+        progressed = True
+    if not progressed:
+      if not rest:
+        break
+      active.append(rest.pop(0))
+  return k - k0

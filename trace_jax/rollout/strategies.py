@@ -14,11 +14,17 @@ themselves live in `allocation.py`.
   dapo        uniform_roots, oversampled, then       none
               dapo_select drops all-equal groups
               and charges their cost
-  tree_grpo   uniform_roots                          random_anchors: uniformly random anchors
-  arpo        uniform_roots                          entropy_anchors: after tool calls where the
-                                                     next-token entropy is high
+  tree_grpo   uniform_roots                          random anchors: every tree expands its own
+                                                     uniformly random nodes (the driver)
+  arpo        uniform_roots                          after tool results where the next-token
+                                                     entropy rose most over the rollout's initial
+                                                     entropy (Delta H; the driver)
 
-`ROOT_ALLOCATION` and `PREFIX_ALLOCATION` give the same table as data, for dispatch.
+The predicted stage 2 (trace, trace_tree) also counts the root of a tree whose stage-1 leaves all
+agree as an anchor (a fresh draw there).
+
+`ROOT_ALLOCATION` and `PREFIX_ALLOCATION` give the same table as data, for dispatch;
+`advantage_for` names the advantage each one trains with.
 """
 
 from __future__ import annotations
@@ -38,6 +44,21 @@ PREFIX_ALLOCATION = {
     "trace": "predicted", "trace_tree": "predicted_tree_aware", "root_only": "uniform",
     "grpo": "none", "dapo": "none", "tree_grpo": "random", "arpo": "entropy",
 }
+
+
+# The advantage each baseline trains with, as its paper defines it. Tree-GRPO: GRPO over the
+# prompt's leaves plus GRPO within each initial rollout's subtree (`tree_grpo_advantages`). ARPO:
+# GRPO over the prompt's trajectories, a token shared by several of them getting the mean of their
+# advantages (its advantage attribution), which is `grpo_advantages` on the tree. DAPO and GRPO:
+# GRPO. TRACE's own strategies train with the configured advantage (tree contrastive by default).
+OWN_ADVANTAGE = {"grpo": "grpo", "dapo": "grpo", "tree_grpo": "tree_grpo", "arpo": "grpo"}
+
+
+def advantage_for(method: str, default: str) -> str:
+  """The advantage estimator (a key of `trace_jax.rl.batch.ADVANTAGES`) `method` trains with:
+  the baselines their papers' own, TRACE's strategies (trace, trace_tree, root_only) `default`."""
+  validate_strategy(method)
+  return OWN_ADVANTAGE.get(method, default)
 
 
 def validate_strategy(name: str) -> str:

@@ -1,0 +1,92 @@
+"""`launch/compare.py`: the campaign plan, the aggregation over seeds, and a two-method, one-seed,
+few-step smoke of the whole script on the smoke variant (then a rerun that skips finished runs)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "launch",
+                                                                        "compare.py"))
+compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare)
+
+
+def test_plan_seeds_budgets_and_shared_runs():
+  rows = compare.plan(["trace_tree", "grpo", "arpo"], seeds=5, baseline_seeds=3,
+                      regimes=["default", "low_contrast"], budgets=["rollouts", "tokens"],
+                      keys={"data.train_hops"})
+  count = lambda **kw: sum(all(r[k] == v for k, v in kw.items()) for r in rows)  # noqa: E731
+  assert count(method="trace_tree") == 5 * 4 and count(method="arpo") == 3 * 4
+  # grpo has no stage 2: its token-budget rows reuse the rollout-budget run.
+  grpo_runs = {r["run"] for r in rows if r["method"] == "grpo"}
+  assert len(grpo_runs) == 5 * 2 and all("/rollouts/" in r for r in grpo_runs)
+  tok = [r for r in rows if r["method"] == "trace_tree" and r["budget"] == "tokens"]
+  assert all(r["overrides"]["rollout.budget_unit"] == "tokens" for r in tok)
+  low = [r for r in rows if r["regime"] == "low_contrast"]
+  assert all(r["overrides"]["data.train_hops"] == "3,4" for r in low)
+  for r in low:  # grpo: groups of 4
+    ov = r["overrides"]
+    total = int(ov["rollout.root_budget"]) + int(ov["rollout.prefix_budget"])
+    assert total == 4 * int(ov["rollout.prompts_per_step"])
+  no_field = compare.plan(["grpo"], 1, 1, ["low_contrast"], ["rollouts"], keys=set())
+  assert "data.train_hops" not in no_field[0]["overrides"]
+
+
+def test_aggregate_against_grpo():
+  rows = [dict(method=m, seed=s, regime="default", budget="rollouts", accuracy_final=acc + s * 0.02,
+               effective_ratio=er, generated_tokens=1000, rollouts=128, stage1_mixed=er,
+               slice_auc=None, anchor_depth_mean=None)
+          for m, acc, er in (("grpo", 0.40, 0.60), ("trace_tree", 0.45, 0.80)) for s in range(3)]
+  aggs = {a["method"]: a for a in compare.aggregate(rows)}
+  t = aggs["trace_tree"]
+  assert t["seeds"] == 3 and t["accuracy_final"]["mean"] == pytest.approx(0.47)
+  assert t["accuracy_final"]["std"] == pytest.approx(0.02)  # sample std over seeds
+  assert t["er_minus_grpo"] == pytest.approx(0.2)
+  assert t["wasted_vs_grpo"] == pytest.approx(0.5)
+  assert t["accuracy_minus_grpo"] == pytest.approx(0.05)
+  md = compare.markdown(list(aggs.values()))
+  assert "| trace_tree | 3 | 0.470 ± 0.020 | 0.800 ± 0.000 | 0.50 | +0.050 |" in md
+
+
+SMOKE = ["--config.world.cache_dir={cache}", "--config.rl.steps=1", "--config.sft.steps=3",
+         "--config.sft.num_traces=64", "--config.rollout.prompts_per_step=2",
+         "--config.rollout.candidate_prompts=3", "--config.rollout.root_budget=4",
+         "--config.rollout.prefix_budget=2", "--config.rollout.num_slots=4",
+         "--config.rollout.num_pages=256", "--config.eval.size=4", "--config.eval.probe_prompts=2"]
+
+
+@pytest.mark.slow
+def test_compare_smoke_and_resume(tmp_path):
+  sets = [f"--set={a[len('--config.'):]}".format(cache=tmp_path / "cache") for a in SMOKE]
+  args = [sys.executable, os.path.join(ROOT, "launch", "compare.py"),
+          "--config=configs/mhqa.py:smoke", "--methods=trace_tree,grpo", "--seeds=1",
+          "--regimes=default", "--budgets=tokens", f"--runs={tmp_path}/runs",
+          f"--out={tmp_path}/out", *sets]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  p = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, timeout=900)
+  assert p.returncode == 0, p.stdout[-4000:]
+  out = json.load(open(tmp_path / "out" / "summary.json"))
+  runs = {r["method"]: r for r in out["runs"]}
+  assert set(runs) == {"trace_tree", "grpo"}
+  for r in runs.values():
+    assert r["seed"] == 0 and r["regime"] == "default" and r["budget"] == "tokens"
+    assert r["generated_tokens"] > 0 and 0.0 <= r["effective_ratio"] <= 1.0
+  assert runs["grpo"]["rollouts"] == 6                 # the whole budget at the roots
+  assert runs["grpo"]["run"].startswith("default/rollouts/")  # shared with the rollout mode
+  assert runs["trace_tree"]["rollouts"] >= 6           # short continuations: at least as many
+  for name in ("summary.md", "em_vs_tokens.png", "effective_ratio.png", "reliability.png",
+               "anchor_depths.png"):
+    assert os.path.getsize(tmp_path / "out" / name) > 0, name
+  t0 = time.time()
+  again = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=300)
+  assert again.returncode == 0, again.stdout[-3000:]
+  assert "2 already finished" in again.stdout and "[compare] default/" not in again.stdout
+  assert time.time() - t0 < 120
