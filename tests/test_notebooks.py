@@ -16,9 +16,11 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-# Figures each notebook must show (embedded PNGs), by file name.
+# Figures a notebook must show (embedded PNGs), by file name; at least one for any other notebook.
 MIN_IMAGES = {"01_quickstart.ipynb": 3,  # the allocation plot, all trees, one tree with p̂
               "03_reuse.ipynb": 3}       # stage-1 counts, the page table, a sampled tree
+# Tree pictures a notebook writes to its working directory.
+PICTURES = {"01_quickstart.ipynb": "quickstart_trees.png", "03_reuse.ipynb": "reuse_tree.png"}
 
 
 def _kernel_env():
@@ -39,8 +41,8 @@ def _errors(nb):
           if o.get("output_type") == "error"]
 
 
-def test_every_notebook_is_listed():
-  assert {os.path.basename(p) for p in NOTEBOOKS} == set(MIN_IMAGES)
+def test_notebooks_exist():
+  assert set(MIN_IMAGES) <= {os.path.basename(p) for p in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
@@ -49,7 +51,7 @@ def test_saved_notebook_has_outputs_and_installs_in_colab(path):
   code = [c for c in nb.cells if c.cell_type == "code"]
   assert all(c.get("execution_count") for c in code), "saved without running every cell"
   assert not _errors(nb)
-  assert len(_images(nb)) >= MIN_IMAGES[os.path.basename(path)]
+  assert len(_images(nb)) >= MIN_IMAGES.get(os.path.basename(path), 1)
   first = code[0].source
   assert "'google.colab' in sys.modules" in first.replace('"', "'") and "pip" in first
 
@@ -73,5 +75,5 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
   assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
   name = os.path.basename(path)
   # The rendered tree pictures were written and embedded.
-  assert (tmp_path / ("quickstart_trees.png" if "quickstart" in name else "reuse_tree.png")).exists()
-  assert len(_images(nb)) >= MIN_IMAGES[name]
+  assert name not in PICTURES or (tmp_path / PICTURES[name]).exists()
+  assert len(_images(nb)) >= MIN_IMAGES.get(name, 1)
