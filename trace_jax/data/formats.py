@@ -328,6 +328,12 @@ def load_qa(path: str | os.PathLike, format: str | None = None, source: str | No
     QAFormatError: naming file, record and field, for any malformed record; naming the file for
       a directory, an empty file (or one without records) and text that is not UTF-8.
     FileNotFoundError: when the file does not exist.
+
+  Example:
+    >>> path = os.path.join(tempfile.mkdtemp(), "dev.jsonl")  # a FlashRAG-style record
+    >>> _ = open(path, "w").write('{"id": "q1", "question": "Who?", "golden_answers": ["Ada"]}')
+    >>> [(ex.id, ex.question, ex.answers, ex.source) for ex in load_qa(path)]
+    [('q1', 'Who?', ('Ada',), 'flashrag')]
   """
   path = os.fspath(path)
   if not os.path.exists(path):

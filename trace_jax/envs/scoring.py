@@ -23,7 +23,12 @@ RewardFn = Callable[[Optional[str], Golds, bool], float]
 
 
 def normalize_answer(s: str) -> str:
-  """Lower text and remove punctuation, articles and extra whitespace (SQuAD v1.1)."""
+  """Lower text and remove punctuation, articles and extra whitespace (SQuAD v1.1).
+
+  Example:
+    >>> normalize_answer("The  Eiffel Tower!")
+    'eiffel tower'
+  """
   s = s.lower()
   s = "".join(ch for ch in s if ch not in _PUNCTUATION)
   s = _ARTICLES.sub(" ", s)
@@ -59,7 +64,18 @@ def _f1_one(prediction: str, gold: str) -> float:
 
 
 def exact_match(prediction: Optional[str], golds: Golds) -> float:
-  """1.0 if the normalized prediction equals any normalized gold, else 0.0."""
+  """1.0 if the normalized prediction equals any normalized gold, else 0.0.
+
+  Args:
+    prediction: the answer text, or None when the rollout never answered (scores 0).
+    golds: one gold answer or a sequence of them (at least one).
+
+  Example:
+    >>> exact_match("The Eiffel Tower", ["eiffel tower", "la tour eiffel"])
+    1.0
+    >>> exact_match("Eiffel", "Eiffel Tower"), exact_match(None, "Eiffel Tower")
+    (0.0, 0.0)
+  """
   golds = _as_golds(golds)
   if prediction is None:
     return 0.0
@@ -67,7 +83,18 @@ def exact_match(prediction: Optional[str], golds: Golds) -> float:
 
 
 def f1(prediction: Optional[str], golds: Golds) -> float:
-  """Token-level F1 of the normalized strings, maximum over golds (HotpotQA variant)."""
+  """Token-level F1 of the normalized strings, maximum over golds (HotpotQA variant).
+
+  Args:
+    prediction: the answer text, or None (scores 0).
+    golds: one gold answer or a sequence of them; yes/no/noanswer score all or nothing.
+
+  Example:
+    >>> round(f1("Eiffel Tower in Paris", "the Eiffel Tower"), 3)  # precision 1/2, recall 1
+    0.667
+    >>> f1("yes", ["no"])
+    0.0
+  """
   golds = _as_golds(golds)
   if prediction is None:
     return 0.0

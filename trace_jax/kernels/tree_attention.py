@@ -207,7 +207,31 @@ def tree_attention_reference(
     q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens,
     *, sm_scale=None,
 ):
-  """Tree decode attention in pure jnp (layout in the module docstring). Returns [S, Hq, D]."""
+  """Tree decode attention in pure jnp: the CPU path and the oracle the kernels are tested against.
+
+  Args:
+    q: [S, Hq, D] one decode query per slot.
+    k_pages, v_pages: [num_pages, page_size, Hkv, D] the paged KV pool of one layer.
+    group_pages: i32[NG, Pg] page ids of each group's shared prefix; group_lens: i32[NG] its tokens.
+    group_slots: i32[NG, B] slots of each group, -1 padded.
+    suffix_pages: i32[S, Ps] page ids of each slot's own suffix; suffix_lens: i32[S] its tokens.
+    sm_scale: logit scale, default D**-0.5.
+
+  Returns:
+    [S, Hq, D] in q.dtype (layout details in the module docstring).
+
+  Example:
+    >>> from trace_jax.kernels.tree_attention import paged_attention_reference
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 8, 4, 1, 16))  # 8 pages of 4 tokens
+    >>> q = jax.random.normal(jax.random.key(1), (2, 2, 16))  # 2 branches, 2 q heads, 1 kv head
+    >>> out = tree_attention_reference(q, k, v, jnp.array([[1, 2]]), jnp.array([8]),
+    ...                                jnp.array([[0, 1]]), jnp.array([[3], [4]]),
+    ...                                jnp.array([2, 3]))
+    >>> flat = paged_attention_reference(q, k, v, jnp.array([[1, 2, 3], [1, 2, 4]]),
+    ...                                  jnp.array([10, 11]))  # the prefix in each slot's table
+    >>> out.shape, bool(jnp.allclose(out, flat, atol=1e-5))
+    ((2, 2, 16), True)
+  """
   _check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
                    suffix_lens)
   s, hq, d = q.shape
@@ -470,7 +494,24 @@ def tree_attention(
 ):
   """Tree decode attention; impl in {"auto", "reference", "pallas", "pallas_interpret"}.
 
-  Shapes in the module docstring; returns [S, Hq, D] in q.dtype.
+  Sibling branches (slots) of a group attend to the group's shared prefix pages, read once for all
+  of them, then each to its own suffix pages; the two partial softmaxes merge by log-sum-exp.
+  Arguments as `tree_attention_reference` (q [S, Hq, D], pools [num_pages, page_size, Hkv, D],
+  group_pages i32[NG, Pg], group_lens i32[NG], group_slots i32[NG, B], suffix_pages i32[S, Ps],
+  suffix_lens i32[S]); `impl` picks the implementation (`resolve_impl`: "auto" is the Pallas kernel
+  on GPU, the reference elsewhere).
+
+  Returns:
+    [S, Hq, D] in q.dtype.
+
+  Example:
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 8, 4, 1, 16))  # 8 pages of 4 tokens
+    >>> q = jax.random.normal(jax.random.key(1), (2, 2, 16))  # 2 branches, 2 q heads, 1 kv head
+    >>> args = (q, k, v, jnp.array([[1, 2]]), jnp.array([8]), jnp.array([[0, 1]]),
+    ...         jnp.array([[3], [4]]), jnp.array([2, 3]))  # prefix: pages 1-2, suffixes: 3 and 4
+    >>> out = tree_attention(*args, impl="pallas_interpret")  # the GPU kernel, interpreted
+    >>> bool(jnp.allclose(out, tree_attention_reference(*args), atol=1e-5))
+    True
   """
   impl = resolve_impl(impl)
   args = (q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens)

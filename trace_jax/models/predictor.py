@@ -12,7 +12,16 @@ from flax import nnx
 
 
 class PredictorHead(nnx.Module):
-  """p̂(H) = sigmoid(MLP(RMSNorm(stop_grad(h_H)))). `__call__` returns logits f32[...]."""
+  """p̂(H) = sigmoid(MLP(RMSNorm(stop_grad(h_H)))). `__call__` returns logits f32[...].
+
+  `head(features [..., D])` gives logits f32[...], `head.prob(features)` p̂ f32[...]; for jit,
+  `predict_probs(graphdef, state, features)` is the same as a pure function.
+
+  Example:
+    >>> head = PredictorHead(d_model=64, hidden=32, rngs=nnx.Rngs(0))
+    >>> head(jnp.ones((5, 64))).shape, head.prob(jnp.zeros((2, 3, 64))).shape
+    ((5,), (2, 3))
+  """
 
   def __init__(self, d_model: int, hidden: int = 128, *, rngs: nnx.Rngs, eps: float = 1e-6):
     self.scale = nnx.Param(jnp.ones((d_model,), jnp.float32), logical_axes=("norm",))

@@ -110,6 +110,13 @@ def backup_values(parent, is_leaf, reward, valid, max_depth: int):
 
   Returns:
     V: f32[N] (0 where n == 0), n: f32[N] leaf counts.
+
+  Example:
+    >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
+    >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
+    >>> v, n = backup_values(parent, is_leaf, reward, jnp.ones(5, bool), max_depth=2)
+    >>> print(np.asarray(v).round(2), n.tolist())
+    [0.33 0.5  0.   1.   0.  ] [3.0, 2.0, 1.0, 1.0, 1.0]
   """
   parent = jnp.asarray(parent, jnp.int32)
   leaf = (jnp.asarray(is_leaf, bool) & jnp.asarray(valid, bool)).astype(jnp.float32)
@@ -182,11 +189,20 @@ def tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, max_depth:
   c's tree. `normalize=False` drops the division (Dr.GRPO style).
 
   Args:
-    parent, is_leaf, reward, tree, valid: the flat tree arrays, [N].
+    parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
     max_depth: static int.
+    normalize: divide by sigma_tree + eps.
 
   Returns:
     f32[N] per-node advantages.
+
+  Example:
+    >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
+    >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
+    >>> adv = tree_contrastive_advantages(parent, is_leaf, reward, jnp.zeros(5, int),
+    ...                                   jnp.ones(5, bool), max_depth=2)
+    >>> print(np.asarray(adv).round(2))  # node 3 vs its sibling 4, node 1 vs sibling 2
+    [ 0.    0.35 -0.71  1.06 -1.06]
   """
   parent = jnp.asarray(parent, jnp.int32)
   v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
@@ -207,8 +223,20 @@ def grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
   once (the ownership mask) gives it the average of the per-leaf signals; on an unbranched path
   every node gets its leaf's advantage, as in plain GRPO.
 
+  Args:
+    parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
+    max_depth: static int.
+    normalize: divide by sigma_tree + eps.
+
   Returns:
     f32[N] per-node advantages.
+
+  Example:
+    >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
+    >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
+    >>> adv = grpo_advantages(parent, is_leaf, reward, jnp.zeros(5, int), jnp.ones(5, bool), 2)
+    >>> print(np.asarray(adv).round(2))  # each leaf against the tree mean 1/3
+    [ 0.    0.35 -0.71  1.41 -0.71]
   """
   parent = jnp.asarray(parent, jnp.int32)
   v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
@@ -230,8 +258,20 @@ def tree_grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *
   sigma_s the population std of the leaf rewards under s. Shared nodes c under s get the mean over
   their leaves: (V(c) - mean_prompt) / (sigma_prompt + eps) + (V(c) - V(s)) / (sigma_s + eps).
 
+  Args:
+    parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
+    max_depth: static int.
+    normalize: divide each term by its std + eps.
+
   Returns:
     f32[N] per-node advantages.
+
+  Example:
+    >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
+    >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
+    >>> adv = tree_grpo_advantages(parent, is_leaf, reward, jnp.zeros(5, int), jnp.ones(5, bool), 2)
+    >>> print(np.asarray(adv).round(2))
+    [ 0.    0.35 -0.71  2.41 -1.71]
   """
   parent = jnp.asarray(parent, jnp.int32)
   reward = jnp.asarray(reward, jnp.float32)
@@ -264,8 +304,20 @@ def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
   V(root) is the mean leaf reward of the tree. With the ownership mask a shared node is trained
   once, not n_c times; `sqrt_leaf_norm=False` drops the division.
 
+  Args:
+    parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
+    max_depth: static int.
+    sqrt_leaf_norm: divide by sqrt(n_c).
+
   Returns:
     f32[N] per-node advantages.
+
+  Example:
+    >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
+    >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
+    >>> adv = treerl_advantages(parent, is_leaf, reward, jnp.zeros(5, int), jnp.ones(5, bool), 2)
+    >>> print(np.asarray(adv).round(2))
+    [ 0.    0.24 -0.67  1.17 -0.83]
   """
   parent = jnp.asarray(parent, jnp.int32)
   v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
@@ -291,6 +343,11 @@ def ownership_mask(seq_node_ids, num_nodes: int | None = None):
 
   Returns:
     bool[S, T] True where the token is trained.
+
+  Example:
+    >>> ids = jnp.array([[-1, 1, 1, 3], [-1, 1, 1, 4]])  # two root-to-leaf paths sharing node 1
+    >>> ownership_mask(ids).astype(int).tolist()
+    [[0, 1, 1, 1], [0, 0, 0, 1]]
   """
   ids = jnp.asarray(seq_node_ids, jnp.int32)
   num_seqs = ids.shape[0]
@@ -311,6 +368,19 @@ def ownership_mask(seq_node_ids, num_nodes: int | None = None):
 
 
 def token_advantages(node_advantages, seq_node_ids):
-  """Per-token advantages of training sequences from per-node ones; 0 on -1 tokens. f32[S, T]."""
+  """Per-token advantages of training sequences from per-node ones; 0 on -1 tokens.
+
+  Args:
+    node_advantages: f32[N] per-node advantages.
+    seq_node_ids: i32[S, T] node id of each token, -1 where not generated (as `ownership_mask`).
+
+  Returns:
+    f32[S, T].
+
+  Example:
+    >>> ids = jnp.array([[-1, 1, 1, 3], [-1, 1, 1, 4]])
+    >>> token_advantages(jnp.array([0.0, 0.5, -1.0, 2.0, -2.0]), ids).tolist()
+    [[0.0, 0.5, 0.5, 2.0], [0.0, 0.5, 0.5, -2.0]]
+  """
   ids = jnp.asarray(seq_node_ids, jnp.int32)
   return jnp.where(ids >= 0, _gather(jnp.asarray(node_advantages, jnp.float32), ids), 0.0)

@@ -45,6 +45,13 @@ def ppo_clip_loss(logp_new, logp_old, advantages, mask, *, eps_low: float = 0.2,
   Returns:
     (loss f32[], metrics dict of f32[]: pg_loss, clip_frac_low, clip_frac_high, clip_frac,
     approx_kl, kl_ref, entropy, num_tokens).
+
+  Example:
+    >>> logp_old = jnp.log(jnp.full((1, 4), 0.5))
+    >>> logp_new = logp_old + jnp.array([[0.0, 0.1, 0.5, -0.5]])  # ratios 1, 1.11, 1.65, 0.61
+    >>> loss, metrics = ppo_clip_loss(logp_new, logp_old, jnp.ones((1, 4)), jnp.ones((1, 4)))
+    >>> round(float(loss), 3), float(metrics["clip_frac"])  # 1.65 is clipped to 1 + 0.28
+    (-0.998, 0.25)
   """
   mask = jnp.asarray(mask, jnp.float32)
   logp_old = jax.lax.stop_gradient(logp_old)
@@ -102,6 +109,12 @@ def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
 
   Returns:
     (logp f32[B, T], entropy f32[B, T]).
+
+  Example:
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25]]]))  # B = 1, T = 1, V = 3
+    >>> logp, entropy = token_logprobs_and_entropy(logits, jnp.array([[0]]))
+    >>> round(float(jnp.exp(logp[0, 0])), 3), round(float(entropy[0, 0]), 3)
+    (0.5, 1.04)
   """
   logits = jnp.asarray(logits, jnp.float32) / temperature
   logp_all = jax.nn.log_softmax(logits, axis=-1)

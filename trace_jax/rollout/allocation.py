@@ -30,6 +30,10 @@ def root_value(p, m):
 
   Returns:
     f32[...]: 1 - p^m - (1 - p)^m, and 0 for m = 0 (the formula would give -1 there).
+
+  Example:
+    >>> print(np.asarray(root_value(jnp.array([0.5, 0.5, 0.9]), jnp.array([1, 2, 2]))).round(3))
+    [0.   0.5  0.18]
   """
   p = jnp.clip(jnp.asarray(p, jnp.float32), 0.0, 1.0)
   m = jnp.asarray(m)
@@ -67,6 +71,12 @@ def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: 
   Raises:
     ValueError: if the budget cannot be split under the bounds (checked on static values, so also
       under jit).
+
+  Example:
+    >>> p_hat = jnp.array([0.02, 0.5, 0.9])  # near-certain failure, coin flip, likely success
+    >>> m = jax.jit(allocate_roots, static_argnums=(1, 2))(p_hat, 12, 2)  # budget 12, at least 2
+    >>> m.tolist()
+    [2, 5, 5]
   """
   p_hat = jnp.asarray(p_hat, jnp.float32)
   if p_hat.ndim != 1:
@@ -121,6 +131,11 @@ def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt:
 
   Raises:
     ValueError: if the constraints admit no allocation.
+
+  Example:
+    >>> p_hat = jnp.array([0.05, 0.5, 0.95, 0.4])  # a pool of 4 candidate prompts
+    >>> allocate_roots_subset(p_hat, budget=8, num_selected=2).tolist()  # the two most uncertain
+    [0, 4, 0, 4]
   """
   p_hat = jnp.asarray(p_hat, jnp.float32)
   if p_hat.ndim != 1:
@@ -271,6 +286,12 @@ def allocate_prefixes(p_hat, outcomes, costs, budget, valid, max_per_anchor: int
 
   Returns:
     i32[H] continuation counts.
+
+  Example:
+    >>> p_hat, outcomes = jnp.array([0.1, 0.5, 0.9]), jnp.zeros(3)  # anchors of failed rollouts
+    >>> k = allocate_prefixes(p_hat, outcomes, jnp.ones(3), 4, jnp.ones(3, bool), max_per_anchor=3)
+    >>> k.tolist()  # a near-sure flip needs one continuation; the coin flip gets the rest
+    [0, 3, 1]
   """
   q = repeat_prob(p_hat, outcomes)
 
@@ -307,6 +328,13 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
 
   Returns:
     i32[H] continuation counts.
+
+  Example:
+    >>> p_hat, outcomes = jnp.array([0.3, 0.6, 0.5]), jnp.array([0.0, 0.0, 1.0])
+    >>> tree, tree_mixed = jnp.array([0, 0, 1]), jnp.array([False, True])  # tree 1 already mixed
+    >>> allocate_prefixes_tree_aware(p_hat, outcomes, jnp.ones(3), tree, tree_mixed, 4,
+    ...                              jnp.ones(3, bool), max_per_anchor=4).tolist()
+    [0, 3, 1]
   """
   q = repeat_prob(p_hat, outcomes)
   tree = jnp.asarray(tree, jnp.int32)

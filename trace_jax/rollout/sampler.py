@@ -57,7 +57,31 @@ class _Branch:
 
 
 class SamplerEngine:
-  """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages."""
+  """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages.
+
+  Args:
+    model_graphdef, params_state: `nnx.split(Qwen3(...))`; `update_params` swaps the weights.
+    cfg: `SamplerConfig` (slots, KV pool, limits, sampling settings).
+    encode: str -> list[int]; decode: list[int] -> str (turn text, matched against stop strings).
+    env_step: [(TurnRef, generated_text)] -> [(observation_text | None, done, reward)], called
+      batched over the slots whose turn ended.
+    eos_id: end-of-sequence token id, or None.
+    stop_strings: turn-ending strings (default `</search>`, `</answer>`).
+
+  `run` returns one `Tree` per request (`trace_jax.rollout.tree`: nodes with generated ids,
+  log-probs, observation ids, prefix features f32[D] and leaf rewards); `engine.ledger` counts
+  rollouts, generated and prefill tokens and tool calls.
+
+  Example:
+    >>> gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=32, num_layers=1), rngs=nnx.Rngs(0)))
+    >>> cfg = SamplerConfig(num_slots=2, page_size=4, num_pages=64, max_seq_len=32,
+    ...                     max_turn_tokens=4, prefill_chunk=(8,), page_buckets=(8,))
+    >>> engine = SamplerEngine(gd, st, cfg, encode=lambda s: [], decode=lambda ids: str(ids),
+    ...                        env_step=lambda calls: [(None, True, 1.0)] * len(calls), eos_id=None)
+    >>> tree, = engine.run([PromptRequest([3, 4, 5], n=2)])  # two rollouts of one prompt
+    >>> [len(leaf.gen_ids) for leaf in tree.leaves()], [leaf.reward for leaf in tree.leaves()]
+    ([4, 4], [1.0, 1.0])
+  """
 
   def __init__(self, model_graphdef, params_state, cfg: SamplerConfig, encode, decode,
                env_step: EnvStep, eos_id: int | None, stop_strings=DEFAULT_STOP_STRINGS,

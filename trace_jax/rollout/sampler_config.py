@@ -12,6 +12,17 @@ DEFAULT_STOP_STRINGS = ("</search>", "</answer>")
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
+  """Static settings of a `SamplerEngine`: decode slots, the paged KV pool, limits, sampling.
+
+  Every shape the engine compiles for derives from these fields, so one config means one set of
+  compiled steps. `max_pages_per_seq` = ceil(max_seq_len / page_size).
+
+  Example:
+    >>> cfg = SamplerConfig(num_slots=4, page_size=16, max_seq_len=256, temperature=0.8)
+    >>> cfg.max_pages_per_seq, cfg.group_size, cfg.num_groups
+    (16, 4, 2)
+  """
+
   num_slots: int = 8                # concurrent branches (decode batch)
   page_size: int = 16               # tokens per KV page
   num_pages: int = 1024             # pages in the pool (page 0 is the null page)
@@ -62,7 +73,13 @@ def sampler_config_from(c, **overrides) -> SamplerConfig:
 
 @dataclasses.dataclass
 class PromptRequest:
-  """A new prompt sampled `n` times from its root."""
+  """A new prompt sampled `n` times from its root; `meta` travels with the tree to the env.
+
+  Example:
+    >>> req = PromptRequest(prompt_ids=[3, 4, 5], n=4, meta={"answers": ["paris"]})
+    >>> len(req.prompt_ids), req.n
+    (3, 4)
+  """
   prompt_ids: Sequence[int]
   n: int
   meta: dict | None = None
@@ -71,7 +88,19 @@ class PromptRequest:
 
 @dataclasses.dataclass
 class ForkRequest:
-  """`k` new continuations of an existing tree from anchor node `node` (id or Node)."""
+  """`k` new continuations of an existing tree from anchor node `node` (id or Node).
+
+  Example:
+    >>> gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=32, num_layers=1), rngs=nnx.Rngs(0)))
+    >>> cfg = SamplerConfig(num_slots=2, page_size=4, num_pages=64, max_seq_len=32,
+    ...                     max_turn_tokens=4, prefill_chunk=(8,), page_buckets=(8,))
+    >>> engine = SamplerEngine(gd, st, cfg, encode=lambda s: [], decode=lambda ids: str(ids),
+    ...                        env_step=lambda calls: [(None, True, 1.0)] * len(calls), eos_id=None)
+    >>> tree, = engine.run([PromptRequest([3, 4, 5], n=1)])
+    >>> _ = engine.run([ForkRequest(tree, tree.leaves()[0].parent, k=2)])  # 2 more from the root
+    >>> len(tree.leaves())
+    3
+  """
   tree: Tree
   node: int | Node
   k: int

@@ -24,7 +24,14 @@ class Qwen3Config:
   """Hyper-parameters of a Qwen3 decoder.
 
   `dtype` is the compute dtype, `param_dtype` the storage dtype of the weights. Norms, softmax and
-  logits are always computed in float32.
+  logits are always computed in float32. `from_hf_dict` / `to_hf_dict` read and write HF
+  `config.json`; named presets come from `get_preset`.
+
+  Example:
+    >>> cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+    ...                   num_heads=4, num_kv_heads=2, head_dim=8)
+    >>> cfg.gqa_group, cfg.replace(dtype="bfloat16").dtype == jnp.bfloat16
+    (2, True)
   """
 
   vocab_size: int
@@ -142,6 +149,13 @@ PRESETS: dict[str, Qwen3Config] = {
 
 
 def get_preset(name: str, **overrides) -> Qwen3Config:
+  """A named `Qwen3Config` (keys of PRESETS: tiny, qwen3_0p6b ... qwen3_14b) with field overrides.
+
+  Example:
+    >>> cfg = get_preset("tiny", vocab_size=512, num_layers=2)
+    >>> cfg.vocab_size, cfg.num_layers, cfg.hidden_size
+    (512, 2, 128)
+  """
   if name not in PRESETS:
     raise KeyError(f"unknown Qwen3 preset {name!r}; known: {sorted(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

@@ -129,7 +129,22 @@ AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class Qwen3(nnx.Module):
-  """Qwen3 causal LM. See the module docstring for the padding, segment and cache contract."""
+  """Qwen3 causal LM. See the module docstring for the padding, segment and cache contract.
+
+  `model(tokens i32[B, T])` returns logits f32[B, T, V]; with `cache=` (a pytree from
+  `init_cache`, {"layers": [{"k", "v": [B, S, Hkv, hd]}] * L, "lens": i32[B]}) it returns
+  (logits, new_cache), writing the new tokens at `lens` and advancing it. `forward` also returns
+  the final hidden states [B, T, D] (the predictor's features). Used functionally:
+  `graphdef, state = nnx.split(model)`, then `nnx.merge(graphdef, state)` inside a jitted function.
+
+  Example:
+    >>> model = Qwen3(get_preset("tiny", vocab_size=64, num_layers=1), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 64)
+    >>> logits, cache = model(jnp.zeros((2, 5), jnp.int32), cache=init_cache(model.cfg, 2, 16))
+    >>> cache["lens"].tolist()  # the next tokens go to position 5
+    [5, 5]
+  """
 
   def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -251,7 +266,16 @@ class Qwen3(nnx.Module):
 
 
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype=None) -> dict:
-  """Contiguous KV cache: {"layers": [{"k","v": [B, S, Hkv, hd]}] * L, "lens": i32[B]}."""
+  """Contiguous KV cache: {"layers": [{"k","v": [B, S, Hkv, hd]}] * L, "lens": i32[B]}.
+
+  Args:
+    cfg: the model's config; batch: B rows; max_len: S positions per row; dtype: default cfg.dtype.
+
+  Example:
+    >>> cache = init_cache(get_preset("tiny"), batch=2, max_len=16)
+    >>> len(cache["layers"]), cache["layers"][0]["k"].shape, cache["lens"].tolist()
+    (3, (2, 16, 2, 32), [0, 0])
+  """
   dtype = dtype or cfg.dtype
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return {"layers": [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -120,7 +120,16 @@ def from_pretrained(path: str, dtype=None, param_dtype=None, mesh=None, rules=DE
   """Loads an HF Qwen3 checkpoint directory (config.json + safetensors) into our model.
 
   dtype: compute dtype; param_dtype: storage dtype (default: `dtype`, else float32). With `mesh`,
-  each parameter is placed directly in its logical sharding.
+  each parameter is placed directly in its logical sharding. Tensors are read lazily from
+  `model.safetensors` or the shards of `model.safetensors.index.json`; `config_overrides` replace
+  fields of the config read from `config.json`. Returns a `Qwen3` (an nnx module).
+
+  Example:
+    >>> save_pretrained(Qwen3(get_preset("tiny", num_layers=1), rngs=nnx.Rngs(0)),
+    ...                 path := tempfile.mkdtemp())
+    >>> model = from_pretrained(path, dtype="float32")
+    >>> model.cfg.num_layers, model(jnp.zeros((1, 4), jnp.int32)).shape
+    (1, (1, 4, 2048))
   """
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory not found: {path!r}")
@@ -160,7 +169,17 @@ def from_pretrained(path: str, dtype=None, param_dtype=None, mesh=None, rules=DE
 
 def save_pretrained(model: Qwen3, path: str, max_shard_bytes: int = 5 * 2**30,
                     dtype=None) -> None:
-  """Writes `config.json` and HF-layout safetensors (sharded with an index past max_shard_bytes)."""
+  """Writes `config.json` and HF-layout safetensors (sharded with an index past max_shard_bytes).
+
+  The directory loads with `from_pretrained` and with `transformers`' Qwen3ForCausalLM. `dtype`
+  casts the stored tensors (e.g. "bfloat16"); default: as the parameters are.
+
+  Example:
+    >>> model = Qwen3(get_preset("tiny", num_layers=1), rngs=nnx.Rngs(0))
+    >>> save_pretrained(model, path := tempfile.mkdtemp())
+    >>> sorted(os.listdir(path))
+    ['config.json', 'model.safetensors']
+  """
   cfg = model.cfg
   os.makedirs(path, exist_ok=True)
   mapping = _mapping(cfg)
