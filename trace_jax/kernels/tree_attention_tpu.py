@@ -49,7 +49,6 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec as P
 
 # The package exports the function `tree_attention`, which shadows the module's name there.
 ta = importlib.import_module("trace_jax.kernels.tree_attention")
@@ -193,7 +192,7 @@ def paged_partials_tpu(
     Partials o f32[N, Hkv, M, D], m and l f32[N, Hkv, M].
   """
   n, hkv, m_rows, d = rows.shape
-  num_pages, page_size, _, _ = k_pages.shape
+  page_size = k_pages.shape[1]
   p = tables.shape[1]
   hb = hkv if kv_heads_per_block is None else int(kv_heads_per_block)
   if hkv % hb:
