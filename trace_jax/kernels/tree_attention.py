@@ -22,7 +22,9 @@ Layout (one layer):
 
 Three implementations live here: `tree_attention_reference` (pure jnp, the CPU path and the test
 oracle's sibling), `tree_attention_pallas` (a Triton-style Pallas kernel for GPU, also runnable in
-interpret mode) and the `tree_attention` dispatcher.
+interpret mode) and the `tree_attention` dispatcher. The TPU (Mosaic) kernel is
+`tree_attention_tpu.tree_attention_tpu`; `tree_attention_sharded` runs any of them under
+`shard_map` on a mesh.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ except ImportError:  # pragma: no cover
 # yields l = 0 and o = 0 instead of NaN, and merging two empty partials stays empty.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 IMPL_ENV_VAR = "TRACE_JAX_ATTENTION_IMPL"
-IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+IMPLS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret")
 
 
 class Partials(NamedTuple):
@@ -288,10 +290,9 @@ def dense_attention_oracle(q, k_seq, v_seq, lens, *, sm_scale=None):
 # one program per (group or slot, kv head, row block) loops only over its valid key blocks.
 #
 # On TPU (Mosaic) this kernel does not lower as is: gathers by a vector of page ids from a ref in
-# HBM are not supported there. A TPU version would pass the page tables and lengths via scalar
-# prefetch (PrefetchScalarGridSpec), keep the pool in pl.ANY memory and DMA each page into VMEM
-# (double-buffered), with rows padded to 8 (f32) / 16 (bf16) sublanes and D on lanes. The
-# dispatcher therefore uses the reference (XLA) path on TPU.
+# HBM are not supported there. The TPU version (tree_attention_tpu.py) passes the page tables and
+# lengths via scalar prefetch, keeps the pool in pl.ANY memory and DMAs pages into a
+# double-buffered VMEM scratch; the dispatcher picks it on TPU.
 # ---------------------------------------------------------------------------------------------
 
 DEFAULT_BLOCK_K = 64
@@ -447,7 +448,7 @@ def tree_attention_pallas(
     interpret: run the kernels with the Pallas interpreter (CPU tests).
 
   GPU (Triton) needs page_size, D and block sizes to be powers of two. See the comment above the
-  kernel for what a TPU version would change.
+  kernel for what the TPU version (tree_attention_tpu.py) does differently.
 
   Returns:
     [S, Hq, D] in q.dtype.
@@ -476,15 +477,19 @@ def tree_attention_pallas(
 def resolve_impl(impl: str = "auto") -> str:
   """Picks the implementation: argument, else $TRACE_JAX_ATTENTION_IMPL, else by backend.
 
-  "auto" means the Pallas kernel on GPU and the reference elsewhere (CPU; TPU until a Mosaic
-  version of the kernel exists, see the note above the kernel).
+  "auto" means the Triton kernel ("pallas") on GPU, the Mosaic kernel ("pallas_tpu") on TPU and
+  the reference elsewhere (CPU). "pallas" asked for explicitly on TPU means the Mosaic kernel.
+  The "*_interpret" impls run a kernel with the Pallas interpreter (CPU tests).
   """
   if impl == "auto":
     impl = os.environ.get(IMPL_ENV_VAR, "auto") or "auto"
   if impl not in IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+  backend = jax.default_backend()
   if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    impl = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(backend, "reference")
+  if impl == "pallas" and backend == "tpu":
+    impl = "pallas_tpu"
   return impl
 
 
@@ -492,7 +497,7 @@ def tree_attention(
     q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens,
     *, sm_scale=None, impl="auto",
 ):
-  """Tree decode attention; impl in {"auto", "reference", "pallas", "pallas_interpret"}.
+  """Tree decode attention; impl in IMPLS (see `resolve_impl`).
 
   Sibling branches (slots) of a group attend to the group's shared prefix pages, read once for all
   of them, then each to its own suffix pages; the two partial softmaxes merge by log-sum-exp.
@@ -517,6 +522,12 @@ def tree_attention(
   args = (q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages, suffix_lens)
   if impl == "reference":
     return tree_attention_reference(*args, sm_scale=sm_scale)
+  if impl in ("pallas_tpu", "pallas_tpu_interpret"):
+    # Imported here: the TPU module builds on this one.
+    from trace_jax.kernels.tree_attention_tpu import interpret_params, tree_attention_tpu
+
+    interpret = interpret_params() if impl == "pallas_tpu_interpret" else False
+    return tree_attention_tpu(*args, sm_scale=sm_scale, interpret=interpret)
   return tree_attention_pallas(*args, sm_scale=sm_scale, interpret=impl == "pallas_interpret")
 
 
