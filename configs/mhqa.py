@@ -90,6 +90,13 @@ def _base():
   c.rollout.budget_unit = "rollouts"  # rollouts | tokens (prefix allocation per expected cost)
   c.rollout.tree_lambda = 0.01    # weight of extra contrast in already-mixed trees (trace_tree)
   c.rollout.blend_prior = 0.0     # Beta-posterior blending strength of p̂ with outcomes (0 = off)
+  c.rollout.anchor_posterior = True  # stage 2: anchor success from a Beta posterior of the tree's
+  #                                     stage-1 outcomes and p̂(root), shifted by p̂(h) - p̂(root)
+  c.rollout.anchor_prior_strength = 4.0  # s of that posterior's prior Beta(s p̂, s (1 - p̂))
+  c.rollout.root_anchors = True   # stage 2 may draw fresh rollouts into unmixed trees at the root
+  c.rollout.cost_aware = True     # budget_unit=tokens: rank anchors by gain per expected token
+  c.rollout.metric_slice = 8      # random pool prompts per step measuring p̂ (outside the budget)
+  c.rollout.metric_rollouts = 2   # rollouts per measured prompt (not trained on)
   c.rollout.dapo_oversample = 1.5  # dapo: prompts sampled per kept prompt
   c.rollout.arpo_entropy_top = 0.25  # arpo: share of candidate anchors with highest entropy
   c.rollout.temperature = 0.8     # at 1.0 the tiny policy's tail over entity names sinks most rollouts
@@ -119,6 +126,8 @@ def _base():
   c.rl.predictor_buffer_steps = 4  # RL steps of node examples kept for that fit
   c.rl.predictor_root_buffer_steps = 4  # roots (one per prompt) may be kept longer
   c.rl.predictor_refresh_roots = False  # re-featurize buffered roots under the current policy
+  c.rl.predictor_leaf_weight = 0.0  # weight of leaves in the predictor fit (never queried)
+  c.rl.remat = "none"          # per-layer rematerialization in the update: none | full | dots
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
   c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
@@ -187,6 +196,7 @@ def get_config(arg: str | None = None):
     c.rl.micro_batches = 32
     c.rl.train_rows = 512
     c.rl.kl_coef = 0.001
+    c.rl.remat = "dots"          # activations of a 4k-token row do not fit otherwise
     c.eval.every = 20
     c.mesh = "data:-1,fsdp:1,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:1,tensor:4"
   else:

@@ -35,13 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from trace_jax import assets as assets_lib
 from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
 from trace_jax.diagnostics import prefix_signal
-from trace_jax.envs.env import MultiHopEnv
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
@@ -50,7 +48,8 @@ from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
-                                 make_optimizers)
+                                 make_optimizers, place_state, policy_params, reference_logprobs,
+                                 state_shardings)
 from trace_jax.rollout import strategies
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
@@ -107,6 +106,7 @@ class Run:
   assets: Any
   graphdef: Any
   pred_graphdef: Any
+  env: Any                    # the multi-hop environment (its retriever's stats go to the metrics)
   engine: SamplerEngine
   driver: RolloutDriver
   fitter: PredictorFitter
@@ -115,6 +115,7 @@ class Run:
   writer: MetricWriter
   ckpt: Checkpointer
   ref_params: Any             # frozen reference policy (only when rl.kl_coef > 0)
+  shardings: Any              # NamedShardings of the train state on a multi-device mesh, else None
   init_params: Any            # policy after the warm start (RL starts here)
   init_pred_params: Any
   ucfg: UpdateConfig
@@ -172,8 +173,7 @@ def build(c, validate_fn=None) -> Run:
     print(f"[trace_jax] warm start {how} ({ws_info.get('steps')} steps trained in "
           f"{ws_info.get('seconds', 0):.0f}s)", flush=True)
 
-  env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
-                    topk=c.retriever.topk)
+  env = assets_lib.build_env(c, assets)
   r = c.rollout
   engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
@@ -182,7 +182,10 @@ def build(c, validate_fn=None) -> Run:
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
                       prompts_per_step=r.prompts_per_step,
                       max_per_anchor=r.max_per_anchor, budget_unit=r.budget_unit,
-                      tree_lambda=r.tree_lambda, blend_prior=r.blend_prior,
+                      cost_aware=r.cost_aware, tree_lambda=r.tree_lambda,
+                      blend_prior=r.blend_prior, anchor_posterior=r.anchor_posterior,
+                      anchor_prior_strength=r.anchor_prior_strength, root_anchors=r.root_anchors,
+                      metric_slice=r.metric_slice, metric_rollouts=r.metric_rollouts,
                       dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
   # The driver's predictor is set from the loop state at every sample_step.
   driver = RolloutDriver(engine, dcfg, None, engine.prompt_features, seed=c.seed)
@@ -190,7 +193,11 @@ def build(c, validate_fn=None) -> Run:
   ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
                       eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
                       entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
-                      micro_batches=c.rl.micro_batches, temperature=1.0)
+                      micro_batches=c.rl.micro_batches, remat=c.rl.remat,
+                      param_dtype=c.model.param_dtype,
+                      # log-probs of the sampling policy, softmax(z / T), in the update and the
+                      # reference alike (the sampler records the same)
+                      temperature=c.rollout.temperature)
   if mesh.size > 1:  # parameters born in their logical sharding; optimizer states follow them
     params = shard_state(params, mesh)
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
@@ -199,15 +206,23 @@ def build(c, validate_fn=None) -> Run:
                            root_buffer_steps=c.rl.predictor_root_buffer_steps,
                            root_features=functools.partial(engine.prompt_features,
                                                            count_prefill=False)
-                           if c.rl.predictor_refresh_roots else None)
-  ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
+                           if c.rl.predictor_refresh_roots else None,
+                           leaf_weight=c.rl.predictor_leaf_weight, pred_state=pred_params)
+  shardings = None
+  if mesh.size > 1:
+    shardings = state_shardings(jax.eval_shape(
+        lambda: init_train_state(params, pred_params, ucfg)), mesh)
+  ref_params = (jax.tree.map(jnp.copy, policy_params(params, c.model.param_dtype))
+                if c.rl.kl_coef > 0 else None)
   if c.ckpt.every <= 0 or c.eval.every <= 0:
     raise ValueError("ckpt.every and eval.every must be positive")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.ckpt.max_to_keep)
+  update = (jit_update_step(graphdef, pred_graphdef, ucfg, shardings, None, mesh=mesh)
+            if shardings is not None else jit_update_step(graphdef, pred_graphdef, ucfg))
   return Run(c=c, workdir=workdir, mesh=mesh, assets=assets, graphdef=graphdef,
-             pred_graphdef=pred_graphdef, engine=engine, driver=driver, fitter=fitter,
-             update=jit_update_step(graphdef, pred_graphdef, ucfg), predict=predict,
-             writer=writer, ckpt=ckpt, ref_params=ref_params, init_params=params,
+             pred_graphdef=pred_graphdef, env=env, engine=engine, driver=driver, fitter=fitter,
+             update=update, predict=predict, writer=writer, ckpt=ckpt, ref_params=ref_params,
+             shardings=shardings, init_params=params,
              init_pred_params=pred_params, ucfg=ucfg,
              init_param_norm=float(_global_norm(params)), warm_start=ws_info,
              synthetic=synthetic, t_start=t_start)
@@ -218,21 +233,14 @@ def init_state(run: Run) -> LoopState:
   On a mesh, every leaf lives on the mesh (parameters and moments in their sharding, scalars such
   as optimizer counts replicated), so a restored state has the same placement as a fresh one."""
   train_state = init_train_state(run.init_params, run.init_pred_params, run.ucfg)
-  if run.mesh.size > 1:
-    train_state = _place_on_mesh(train_state, run.mesh)
+  if run.shardings is not None:
+    train_state = place_state(train_state, run.shardings)
   return LoopState(train=train_state)
 
 
-def _place_on_mesh(tree, mesh):
-  """Leaves already sharded on `mesh` stay; every other leaf is replicated over it."""
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def place(x):
-    sh = getattr(x, "sharding", None)
-    if isinstance(sh, NamedSharding) and sh.mesh == mesh:
-      return x
-    return jax.device_put(x, replicated)
-  return jax.tree.map(place, tree)
+def _policy(run: Run, state: LoopState):
+  """The sampler's weights: the update's masters in the model's parameter dtype."""
+  return policy_params(state.train["params"], run.c.model.param_dtype)
 
 
 @jax.jit
@@ -252,8 +260,10 @@ def save(run: Run, state: LoopState) -> None:
 
 def host_state(run: Run) -> dict:
   """What the run's host objects carry from one step to the next: the predictor fitter's replay
-  buffers and the engine's ledger. (Rng streams are reseeded from (seed, step) at every step.)"""
+  buffers and optimizer state, and the engine's ledger. (Rng streams are reseeded from (seed,
+  step) at every step.)"""
   return {"fitter_buffer": list(run.fitter.buffer), "fitter_roots": list(run.fitter.roots),
+          "fitter_opt": [np.asarray(x) for x in jax.tree.leaves(run.fitter.state_dict())],
           "ledger": run.engine.ledger.as_dict()}
 
 
@@ -262,6 +272,8 @@ def load_host_state(run: Run, d: dict) -> None:
   run.fitter.buffer.extend(tuple(e) for e in d["fitter_buffer"])
   run.fitter.roots.clear()
   run.fitter.roots.extend(tuple(e) for e in d["fitter_roots"])
+  tree = jax.tree.structure(run.fitter.state_dict())
+  run.fitter.load_state_dict(jax.tree.unflatten(tree, [jnp.asarray(x) for x in d["fitter_opt"]]))
   for k, v in d["ledger"].items():
     setattr(run.engine.ledger, k, v)
 
@@ -276,6 +288,8 @@ def restore(run: Run) -> LoopState | None:
     return None
   target = init_state(run)
   train_state, meta = run.ckpt.restore(target.train)
+  if run.shardings is not None:
+    train_state = place_state(train_state, run.shardings)
   state = LoopState(train=train_state, step=int(meta["step"]),
                     totals=dict(meta.get("totals", target.totals)),
                     evals=dict(meta.get("evals", {})),
@@ -294,10 +308,11 @@ def restore(run: Run) -> LoopState | None:
 def evaluate_step(run: Run, state: LoopState) -> LoopState:
   """Greedy EM on the held-out prompts with the state's policy; recorded at `state.step`."""
   c, step = run.c, state.step
-  run.engine.update_params(state.train["params"])
+  run.engine.update_params(_policy(run, state))
   res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))])
   rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
          "generated_tokens_total": state.totals["generated_tokens"]}
+  rec.update({f"eval_{k}": v for k, v in run.env.retriever_stats(reset=True).items()})
   rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
   run.writer.write(step, rec)
   if step == 0:
@@ -313,8 +328,11 @@ def _fit_predictor(run: Run, train_state: dict, trees, steps=None) -> tuple[dict
   run.fitter.add(trees)
   if not run.c.rl.predictor_fit_steps:
     return train_state, {}
-  ps, po, info = run.fitter.fit(train_state["pred_params"], train_state["pred_opt"], steps)
-  return dict(train_state, pred_params=ps, pred_opt=po), info
+  # The fitter keeps its own optimizer state; the joint update's `pred_opt` is not touched.
+  ps, info = run.fitter.fit(train_state["pred_params"], steps=steps)
+  if run.shardings is not None:
+    ps = jax.device_put(ps, run.shardings["pred_params"])
+  return dict(train_state, pred_params=ps), info
 
 
 def probe_warm_start(run: Run, state: LoopState) -> LoopState:
@@ -323,7 +341,7 @@ def probe_warm_start(run: Run, state: LoopState) -> LoopState:
   c, engine = run.c, run.engine
   idx, _ = _prompt_plan(c.seed, c.eval.probe_prompts, len(run.assets.train))
   probe = [run.assets.train[i] for i in idx]
-  engine.update_params(state.train["params"])
+  engine.update_params(_policy(run, state))
   trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
   sig = prefix_signal(trees, run.assets.world)
   tm0 = tree_metrics(trees)
@@ -373,7 +391,7 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
   run.engine.set_uid_base((state.step + 1) << 20)
   run.driver.rng = np.random.default_rng([c.seed, state.step, 1])
   run.fitter.rng = np.random.default_rng([c.seed, state.step, 2])
-  run.engine.update_params(state.train["params"])
+  run.engine.update_params(_policy(run, state))
   run.driver.predict = functools.partial(run.predict, state.train["pred_params"])
   sample = run.driver.sample(step_examples(run, state.step), use_predictor=use_pred)
   tm = tree_metrics(sample.all_trees)
@@ -397,8 +415,9 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
     key = k.replace("_started", "")
     totals[key] = totals.get(key, 0) + sample.info.get(f"ledger_{k}", 0)
-  seqs, _, _ = build_sequences(sample.trees, c.rl.advantage, c.env.max_turns + 2,
-                               c.rl.normalize_std)
+  seqs, _, _ = build_sequences(sample.trees, strategies.advantage_for(c.method, c.rl.advantage),
+                               c.env.max_turns + 2, c.rl.normalize_std,
+                               pred_leaf_weight=c.rl.predictor_leaf_weight)
   train_state, fit_info = _fit_predictor(run, state.train, sample.all_trees)
   run.engine.release(sample.all_trees)
   rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
@@ -410,7 +429,9 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     if run.mesh.size > 1:
       batch = shard_batch(batch, run.mesh)
     if run.ref_params is not None:
-      batch["ref_logp"] = _ref_logprobs(run.graphdef, run.ref_params, batch)
+      batch["ref_logp"] = reference_logprobs(
+          run.graphdef, run.ref_params, batch, c.rl.micro_batches,
+          run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
     t1 = time.time()
     train_state, m = run.update(train_state, batch)
     m = jax.device_get(m)
@@ -420,6 +441,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   else:
     rec["empty_batch"] = 1.0
   rec["skipped_steps"] = int(train_state["skipped"])
+  rec.update(run.env.retriever_stats(reset=True))
   skipped = rec.get("finite", 1.0) < 0.5
   state = dataclasses.replace(state, train=train_state, step=state.step + 1, totals=totals,
                               predictions=predictions[-20000:], er_hist=er_hist,
@@ -562,24 +584,6 @@ def step_prompts(c) -> int:
   if strategies.ROOT_ALLOCATION[c.method] == "predicted":
     return max(r.prompts_per_step, r.candidate_prompts)
   return r.prompts_per_step
-
-
-@functools.lru_cache(maxsize=4)
-def _ref_logprob_fn(graphdef):
-  """Jitted reference log-probs, built once per model graph (not once per step)."""
-  from trace_jax.rl.losses import token_logprobs_and_entropy
-
-  @jax.jit
-  def f(p, tokens, positions, seg):
-    logits = nnx.merge(graphdef, p)(tokens, positions=positions, segment_ids=seg)
-    lp, _ = token_logprobs_and_entropy(logits[:, :-1], tokens[:, 1:])
-    return jnp.pad(lp, ((0, 0), (1, 0)))
-  return f
-
-
-def _ref_logprobs(graphdef, ref_params, batch):
-  f = _ref_logprob_fn(graphdef)
-  return np.asarray(f(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"]))
 
 
 __all__ = ["Diverged", "LoopState", "Preempted", "Run", "build", "check_divergence", "evaluate_step", "finish", "init_state", "make_predictor",

@@ -31,13 +31,15 @@ def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
       sort of [S, V] dominates a small model's decode step on CPU).
 
   Returns:
-    tokens i32[S], logprob f32[S] and entropy f32[S] of the untempered, unfiltered distribution
-    (what the policy-gradient loss recomputes).
+    tokens i32[S], logprob f32[S] and entropy f32[S] of the tempered, unfiltered distribution
+    softmax(logits / T) the tokens are drawn from (what the policy-gradient loss recomputes with
+    the same temperature); greedy slots report the untempered one (T = 1).
   """
   logits = logits.astype(jnp.float32)
-  logp = jax.nn.log_softmax(logits, axis=-1)
+  t = jnp.where(greedy, 1.0, jnp.maximum(temperature, 1e-6))
+  scaled = logits / t[:, None]
+  logp = jax.nn.log_softmax(scaled, axis=-1)
   entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
   if max_top_k > 0:
     cand, cand_ids = jax.lax.top_k(scaled, max_top_k)  # sorted, descending
   elif nucleus:
