@@ -260,11 +260,13 @@ def save(run: Run, state: LoopState) -> None:
 
 def host_state(run: Run) -> dict:
   """What the run's host objects carry from one step to the next: the predictor fitter's replay
-  buffers and optimizer state, and the engine's ledger. (Rng streams are reseeded from (seed,
+  buffers and optimizer state, the engine's ledger and the driver's record of p̂ on random pool
+  slices (its running metrics). (Rng streams are reseeded from (seed,
   step) at every step.)"""
   return {"fitter_buffer": list(run.fitter.buffer), "fitter_roots": list(run.fitter.roots),
           "fitter_opt": [np.asarray(x) for x in jax.tree.leaves(run.fitter.state_dict())],
-          "ledger": run.engine.ledger.as_dict()}
+          "ledger": run.engine.ledger.as_dict(),
+          "slice_log": [[list(x) for x in step] for step in run.driver._slice_log]}
 
 
 def load_host_state(run: Run, d: dict) -> None:
@@ -274,6 +276,8 @@ def load_host_state(run: Run, d: dict) -> None:
   run.fitter.roots.extend(tuple(e) for e in d["fitter_roots"])
   tree = jax.tree.structure(run.fitter.state_dict())
   run.fitter.load_state_dict(jax.tree.unflatten(tree, [jnp.asarray(x) for x in d["fitter_opt"]]))
+  run.driver._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
+                              for step in d.get("slice_log", [])]
   for k, v in d["ledger"].items():
     setattr(run.engine.ledger, k, v)
 
