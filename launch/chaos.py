@@ -210,20 +210,26 @@ def main():
       out = []
       reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
       reader.start()
-      if todo:
+      # Faults of this attempt one after another at random moments, until a process fault ends
+      # it (the next attempt, a rerun of the same command, takes the rest) or the run finishes.
+      while todo and proc.poll() is None:
         kind = todo.pop(0)
-        delay = rnd.uniform(0.3, 1.0) * ref_seconds
+        delay = rnd.uniform(0.15, 0.6) * ref_seconds
         deadline = time.time() + delay
         while time.time() < deadline and proc.poll() is None:
           time.sleep(0.1)
-        entry = {"fault": kind, "attempt": attempts, "at_s": round(delay, 1)}
+        entry = {"fault": kind, "attempt": attempts, "after_s": round(delay, 1)}
+        log.append(entry)
         if proc.poll() is not None:
           entry["note"] = "the run had finished before the fault"
-        elif kind == "sigterm":
+          break
+        if kind == "sigterm":
           proc.send_signal(signal.SIGTERM)
-        elif kind == "kill9":
+          break
+        if kind == "kill9":
           proc.kill()
-        elif kind == "server_restart":
+          break
+        if kind == "server_restart":
           server.kill()
           server.wait()
           time.sleep(0.5)
@@ -231,10 +237,9 @@ def main():
           proxy.upstream = port
         else:
           proxy.arm(kind)
-        log.append(entry)
       rc = proc.wait(timeout=1800)
       reader.join(timeout=5)
-      if log and log[-1]["attempt"] == attempts:
+      if log and log[-1]["attempt"] == attempts and log[-1]["fault"] in PROCESS_FAULTS:
         log[-1]["exit"] = rc
       if rc == 0:
         break
@@ -251,12 +256,13 @@ def main():
                  retriever_faults_injected=list(proxy.injected))
     proxy.injected.clear()
     trials.append(trial)
-    injected += len(kinds)
+    injected += sum(1 for f in log if f["fault"] != "unexpected_exit" and "note" not in f)
     print(json.dumps(trial), flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
   proxy.close()
   server.kill()
-  faults = [f for t in trials for f in t["faults"] if f["fault"] != "unexpected_exit"]
+  faults = [f for t in trials for f in t["faults"]
+            if f["fault"] != "unexpected_exit" and "note" not in f]
   ok = [t for t in trials if t["finished"] and t["identical_records"] and t["identical_params"]
         and t["each_step_once"]]
   summary = dict(command="python launch/chaos.py " + " ".join(sys.argv[1:]),
