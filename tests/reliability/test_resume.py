@@ -145,3 +145,37 @@ def test_check_divergence_passes_healthy_steps(tmp_path):
   from trace_jax.train import LoopState, check_divergence
   state = LoopState(train={}, step=4, skip_streak=2, evals={"0": 0.0, "4": 0.0})
   check_divergence(_stub(tmp_path), state, {"param_norm": 999.0, "eval_em": 0.0})
+
+
+def test_garbled_reply_is_retried():
+  """A 200 answer with a torn JSON body (a flaky server or proxy) is retried like a 5xx; the chaos
+  campaign found it ended the search with an error observation instead."""
+  import http.server
+  import threading
+
+  from trace_jax.envs.http_retriever import HTTPRetriever
+  calls = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+      pass
+
+    def do_POST(self):  # noqa: N802
+      self.rfile.read(int(self.headers.get("Content-Length", 0)))
+      calls.append(1)
+      body = (b'{"result": [[{"contents": ' if len(calls) == 1 else
+              json.dumps({"result": [[{"id": "1", "contents": "T\nx"}]]}).encode())
+      self.send_response(200)
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+  srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=srv.serve_forever, daemon=True).start()
+  try:
+    client = HTTPRetriever(f"http://127.0.0.1:{srv.server_address[1]}", max_retries=2,
+                           backoff_s=0.01)
+    docs = client.search(["q"], 1)
+  finally:
+    srv.shutdown()
+  assert len(calls) == 2 and docs[0][0].text == "x"

@@ -256,8 +256,9 @@ class HTTPRetriever:
       try:
         return json.loads(raw)
       except ValueError:
-        self._count(errors=1)
-        raise _ClientError(f"{method} {url} returned non-JSON: {raw[:200]!r}") from None
+        # A torn or garbled body from a flaky server or proxy: as transient as a 5xx, retried.
+        last = RetrieverError(f"{method} {url} returned non-JSON: {raw[:200]!r}")
+        continue
     self._count(errors=1)
     raise _Unavailable(url, retries + 1, last)
 
