@@ -44,6 +44,8 @@ def _base():
   c.data.test_path = ""
   c.data.format = ""        # '' = detect
   c.data.eval_size = 256    # held-out prompts evaluated (greedy)
+  c.data.train_hops = ""    # e.g. "3,4": train only on questions with these hop counts ('' = all;
+  #                           held-out evaluation keeps every hop count)
 
   c.retriever = ml_collections.ConfigDict()
   c.retriever.kind = "world"  # world (BM25 over the synthetic passages) | bm25 | http
@@ -262,6 +264,8 @@ def validate(c) -> None:
     raise ValueError(f"env.max_seq_len={e.max_seq_len} must exceed env.max_turn_tokens="
                      f"{e.max_turn_tokens}")
 
+  parse_hops(c.data.train_hops)  # raises on a malformed list
+
   # ---- rollouts and budgets
   r = c.rollout
   for k in ("prompts_per_step", "min_per_prompt", "root_budget", "max_per_anchor", "num_slots",
@@ -330,6 +334,21 @@ def _get(c, dotted):
   for k in dotted.split("."):
     c = c[k]
   return c
+
+
+def parse_hops(spec: str) -> tuple[int, ...]:
+  """`data.train_hops` ("3,4") as a tuple of hop counts; () means every hop count."""
+  spec = str(spec).strip()
+  if not spec:
+    return ()
+  try:
+    hops = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
+  except ValueError:
+    raise ValueError(f"data.train_hops={spec!r} must be comma-separated hop counts such as "
+                     f"'3,4' (or '' for all)") from None
+  if not hops or min(hops) < 1:
+    raise ValueError(f"data.train_hops={spec!r}: hop counts are integers >= 1")
+  return hops
 
 
 def _at_least(c, dotted, low, note=""):

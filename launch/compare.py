@@ -73,6 +73,9 @@ _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run
 _OUT = flags.DEFINE_string("out", "results/compare", "output directory")
 _DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
 _PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+    "summarize_only", False, "train nothing: write the summary from the planned runs that have "
+    "finished and list the others as missing (a campaign done in pieces)")
 
 
 # ---- the campaign --------------------------------------------------------------------------------
@@ -112,6 +115,10 @@ def plan(methods, seeds, baseline_seeds, regimes, budgets, keys=frozenset()) -> 
           ov = dict(overrides, **BUDGETS[run_budget], method=m, seed=str(s))
           rows.append(dict(method=m, seed=s, regime=regime, budget=budget,
                            run=os.path.join(regime, run_budget, f"{m}-seed{s}"), overrides=ov))
+  # Seed-major within a (regime, budget): a campaign stopped part-way has every method on its
+  # first seeds rather than all seeds of the first methods.
+  order = {(r["regime"], r["budget"]): i for i, r in enumerate(rows)}
+  rows.sort(key=lambda r: (order[(r["regime"], r["budget"])], r["seed"]))
   return rows
 
 
@@ -382,7 +389,13 @@ def main(argv):
     for r in rows:
       print(r["run"], r["budget"], json.dumps(r["overrides"]))
     return
-  summaries = {}
+  summaries, missing = {}, []
+  if _SUMMARIZE_ONLY.value:
+    missing = [run for run in todo if run not in done]
+    rows = [r for r in rows if r["run"] in done]
+    if not rows:
+      raise SystemExit(f"[compare] none of the {len(todo)} planned runs has finished under "
+                       f"{_RUNS.value}")
   for r in rows:
     if r["run"] not in summaries:
       summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value)
@@ -396,13 +409,15 @@ def main(argv):
              overrides=_SET.value, warm_start_seed=_WARM_SEED.value,
              regimes={k: REGIMES[k] for k in regimes}, budgets={k: BUDGETS[k] for k in budgets},
              low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
-             runs=table, aggregates=aggs)
+             runs=table, aggregates=aggs, missing_runs=missing)
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(out, f, indent=1, default=str)
   md = markdown(aggs)
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
     f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
-            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n" + md)
+            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n" + md
+            + (f"\nPlanned but not run yet ({len(missing)}): "
+               + ", ".join(f"`{m}`" for m in missing) + "\n" if missing else ""))
   if _PLOTS.value:
     plots(table, recs, _OUT.value)
   print(md, flush=True)

@@ -35,3 +35,21 @@ def test_rl_settings_do_not_touch_the_warm_start():
   base = warm_start_key(_cfg())
   assert warm_start_key(_cfg(method="grpo", rl__lr=1e-5, rollout__tree_lambda=0.5)) == base
   assert warm_start_key(_cfg(sft__steps=9)) != base
+
+
+def test_train_hops_filters_training_questions_only():
+  import pytest
+
+  from trace_jax.assets import select_hops
+  train = [dict(hops=h, meta={}) for h in (1, 2, 3, 4, 3)] + [dict(hops=None, meta={"hops": 4})]
+  assert select_hops(_cfg(), train) == train  # '' keeps everything
+  kept = select_hops(_cfg(data__train_hops="3,4"), train)
+  assert [ex.get("hops") or ex["meta"]["hops"] for ex in kept] == [3, 4, 3, 4]
+  with pytest.raises(ValueError, match="keeps none"):
+    select_hops(_cfg(data__train_hops="7"), train)
+  assert mhqa.parse_hops(" 4, 3,") == (3, 4)
+  for bad in ("three", "0,1"):
+    with pytest.raises(ValueError, match="train_hops"):
+      mhqa.parse_hops(bad)
+  # The warm start does not depend on the training mix.
+  assert warm_start_key(_cfg(data__train_hops="3,4")) == warm_start_key(_cfg())

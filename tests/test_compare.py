@@ -90,3 +90,10 @@ def test_compare_smoke_and_resume(tmp_path):
   assert again.returncode == 0, again.stdout[-3000:]
   assert "2 already finished" in again.stdout and "[compare] default/" not in again.stdout
   assert time.time() - t0 < 120
+
+
+def test_plan_is_seed_major():
+  rows = compare.plan(["trace_tree", "grpo"], seeds=2, baseline_seeds=1, regimes=["default"],
+                      budgets=["rollouts"])
+  assert [(r["method"], r["seed"]) for r in rows] == [
+      ("trace_tree", 0), ("grpo", 0), ("trace_tree", 1), ("grpo", 1)]

@@ -212,3 +212,20 @@ def test_sample_tokens():
                              nucleus=False)
   freq = np.bincount(np.asarray(tok3), minlength=16) / 4000
   np.testing.assert_allclose(freq, jax.nn.softmax(logits[0] / 2.0), atol=0.03)
+
+
+def test_observation_cut_by_room_keeps_closing_tag():
+  # A cut for lack of room (max_seq_len) keeps `</information>` last, like the env's token cap.
+  import types
+  from trace_jax.envs import react
+  vocab = {}
+  enc = lambda s: [vocab.setdefault(w, len(vocab)) for w in s.replace("<", " <").split()]  # noqa
+  fake = types.SimpleNamespace(encode=enc)
+  text = "<information> a b c d e f g h i j </information>"
+  fit = SamplerEngine._fit_observation
+  assert fit(fake, text, 100) == enc(text)  # fits: untouched
+  close = enc(react.INFO_CLOSE)
+  cut = fit(fake, text, 6)
+  assert len(cut) == 6 and cut[-len(close):] == close and cut[:5] == enc(text)[:5]
+  assert fit(fake, "plain words only here", 2) == enc("plain words")  # no tag: plain prefix
+  assert fit(fake, text, 0) == []

@@ -3,6 +3,7 @@ and the cached warm start. Everything expensive is cached on disk and reused whe
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -137,6 +138,24 @@ def check_model_dir(path: str, tokenizer_path: str = "") -> None:
                             f"vocab.json + merges.txt)")
 
 
+def select_hops(c, train: list) -> list:
+  """The training examples whose hop count is in `data.train_hops` (all when it is empty); an
+  example's hop count is its `hops` field or `meta["hops"]`. Held-out data is never filtered."""
+  hops = {int(x) for x in str(c.data.get("train_hops", "")).split(",") if x.strip()}
+  if not hops:
+    return train
+  count = lambda ex: ex.get("hops") if ex.get("hops") is not None else ex["meta"].get("hops")  # noqa: E731
+  known = collections.Counter(count(ex) for ex in train)
+  kept = [ex for ex in train if count(ex) in hops]
+  if not kept:
+    raise ValueError(f"data.train_hops={c.data.train_hops!r} keeps none of the {len(train)} "
+                     f"training questions (hop counts present: "
+                     f"{dict(sorted(known.items(), key=str))})")
+  log.info("data.train_hops=%s: %d of %d training questions kept", c.data.train_hops, len(kept),
+           len(train))
+  return kept
+
+
 def load_world_assets(c) -> Assets:
   from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
 
@@ -160,7 +179,7 @@ def load_world_assets(c) -> Assets:
   mk = lambda ex: _example(encode, bos, ex.id, ex.question, ex.answers,  # noqa: E731
                            prompts.synthetic_prompt(ex.question), hops=ex.hops, meta=ex.meta)
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
-                vocab_size=tok.get_vocab_size(), train=[mk(e) for e in world.train],
+                vocab_size=tok.get_vocab_size(), train=select_hops(c, [mk(e) for e in world.train]),
                 test=[mk(e) for e in world.test],
                 retriever=served if served is not None else build_retriever(c, world),
                 world=world)
@@ -182,7 +201,7 @@ def load_real_assets(c) -> Assets:
     return _example(encode, None, ex.id, ex.question, ex.answers,
                     prompts.build_search_r1_prompt(ex.question, tok), source=ex.source,
                     meta=ex.meta)
-  train, test = [mk(e) for e in raw_train], [mk(e) for e in raw_test]
+  train, test = select_hops(c, [mk(e) for e in raw_train]), [mk(e) for e in raw_test]
   return Assets(encode=encode, decode=decode, bos_id=None, eos_id=tok.eos_token_id,
                 vocab_size=len(tok), train=train, test=test, retriever=retriever)
 

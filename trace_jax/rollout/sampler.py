@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from trace_jax.envs import react
 from trace_jax.rollout import engine_ops, slot_tables
 from trace_jax.rollout.paged_kv import (NULL_PAGE, PageAllocator, PoolExhaustedError, copy_pages,
                                         init_pool)
@@ -458,7 +459,7 @@ class SamplerEngine:
   def _add_observation(self, b: _Branch, obs_text: str):
     cfg, node = self.cfg, b.node
     room = cfg.max_seq_len - (b.kv_len + 1) - 1  # keep room to generate at least one token
-    obs = [int(t) for t in self.encode(obs_text)][:max(0, min(cfg.max_obs_tokens, room))]
+    obs = self._fit_observation(obs_text, max(0, min(cfg.max_obs_tokens, room)))
     node.obs_ids, node.obs_text = obs, obs_text
     if room <= 0:
       node.done, node.truncated, node.reward = True, "max_seq_len", cfg.truncation_reward
@@ -475,6 +476,21 @@ class SamplerEngine:
       b.kv_len += len(tokens)
       b.pending = obs[-1]
     b.tree._kv[node.id] = (b.pages, b.kv_len)
+
+  def _fit_observation(self, obs_text: str, limit: int) -> list[int]:
+    """At most `limit` token ids of the observation; a cut keeps `</information>` last, so the
+    policy never continues inside an observation it was not shown the end of."""
+    obs = [int(t) for t in self.encode(obs_text)]
+    if len(obs) <= limit:
+      return obs
+    k = obs_text.rfind(react.INFO_CLOSE)
+    if k < 0 or limit <= 0:
+      return obs[:limit]
+    closing = [int(t) for t in self.encode(obs_text[k:])]
+    if len(closing) > limit:
+      return obs[:limit]
+    body = [int(t) for t in self.encode(obs_text[:k])]
+    return react.truncate_observation(body + closing, limit, closing)
 
   def _finish(self, i):
     b = self.slots[i]
