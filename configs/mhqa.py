@@ -133,6 +133,8 @@ def _base():
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
   c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
+  c.rl.inject_nan_steps = ""       # fault injection for tests and launch/chaos.py: RL steps ("2,3")
+  #                                  whose update gets a NaN loss (the guard must skip them)
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()

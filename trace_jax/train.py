@@ -436,12 +436,13 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch["ref_logp"] = reference_logprobs(
           run.graphdef, run.ref_params, batch, c.rl.micro_batches,
           run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
+    if state.step in _inject_nan_steps(c):  # fault injection (launch/chaos.py): a NaN loss
+      batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
     train_state, m = run.update(train_state, batch)
     m = jax.device_get(m)
     rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
-    rec["param_norm"] = float(_global_norm(train_state["params"]))
   else:
     rec["empty_batch"] = 1.0
   rec["skipped_steps"] = int(train_state["skipped"])
@@ -452,6 +453,10 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
                               skip_streak=state.skip_streak + 1 if skipped else 0)
   run.writer.write(state.step, rec)
   return state, rec
+
+
+def _inject_nan_steps(c) -> set[int]:
+  return {int(x) for x in str(c.rl.get("inject_nan_steps", "")).split(",") if x.strip()}
 
 
 def check_divergence(run: Run, state: LoopState, rec: dict) -> None:

@@ -117,6 +117,27 @@ def test_nan_lr_stops_with_exit_70(run, tmp_path):
                  if np.issubdtype(x.dtype, np.floating))
 
 
+@pytest.mark.slow
+def test_injected_nan_step_is_skipped_and_the_run_goes_on(run, tmp_path):
+  # A NaN loss at RL step 1 (the fault `launch/chaos.py` injects): the update is skipped, the
+  # parameters and optimizer state after it are bit-identical to those before it, the run finishes.
+  work = str(tmp_path / "nan_step")
+  p = launch("train.py", *args_in(run, work, 2, "--config.rl.inject_nan_steps=1"))
+  assert p.returncode == 0, p.stdout[-3000:]
+  rl = {r["step"]: r for r in records(work) if "effective_ratio" in r}
+  assert rl[1]["finite"] == 1.0 and rl[2]["finite"] == 0.0 and rl[2]["skipped_steps"] == 1
+  import jax
+  restore = lambda s: ocp.StandardCheckpointer().restore(  # noqa: E731
+      os.path.join(work, "checkpoints", str(s), "state"))
+  before, after = restore(1), restore(2)
+  for key in ("params", "opt"):  # the policy and its optimizer did not move (the predictor's own
+    a, b = jax.tree.leaves(before[key]), jax.tree.leaves(after[key])  # fit runs before the update)
+    assert len(a) == len(b) > 0 and all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert int(after["skipped"]) == int(before["skipped"]) + 1 == 1
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(after)
+             if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
 def _stub(tmp_path, **rl):
   import ml_collections
   from trace_jax.checkpoint import Checkpointer

@@ -280,7 +280,8 @@ def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | No
     new["skip_streak"] = (state["skip_streak"] + 1) * skip
     metrics = dict(metrics, loss=loss, grad_norm=gnorm, update_ratio=ratio,
                    finite=finite.astype(jnp.float32), skipped=skip.astype(jnp.float32),
-                   skip_streak=new["skip_streak"].astype(jnp.float32))
+                   skip_streak=new["skip_streak"].astype(jnp.float32),
+                   param_norm=optax.tree.norm(new["params"]))
     return new, metrics
 
   return update
