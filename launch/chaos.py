@@ -9,7 +9,10 @@ trainer and the server (a stall past the client's timeout, HTTP 500s, malformed 
 connections, the server killed and restarted). After a process fault the trial reruns the same
 command, as a scheduler would, until the run finishes. Every finished run must equal the reference:
 the same RL and eval records (timings and retriever counters aside: faults cost retries) and
-bit-identical final parameters. Writes every fault tried and its outcome to `--out`.
+bit-identical final parameters. A `nan` fault gives one random RL step a NaN loss
+(`rl.inject_nan_steps`): that trial's reference is an uninterrupted run with the same NaN, and the
+trial must also show the step skipped (recorded, counted once) and every saved array finite.
+Writes every fault tried and its outcome to `--out`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RETRIEVER_FAULTS = ("stall", "http500", "malformed", "drop", "server_restart")
 PROCESS_FAULTS = ("sigterm", "kill9")
+STATE_FAULTS = ("nan",)  # a NaN loss at a random RL step (`rl.inject_nan_steps`)
 IGNORED = ("seconds", "wall", "retriever_")
 
 
@@ -170,7 +174,13 @@ def main():
   ap.add_argument("--work", default="", help="scratch directory (default: a temporary one)")
   ap.add_argument("--cache", default="cache/chaos", help="world and warm-start cache")
   ap.add_argument("--out", default="results/chaos.json")
+  ap.add_argument("--kinds", default=",".join(PROCESS_FAULTS + RETRIEVER_FAULTS + STATE_FAULTS),
+                  help="fault kinds to draw from")
   a = ap.parse_args()
+  kinds_all = tuple(k for k in a.kinds.split(",") if k)
+  unknown = set(kinds_all) - set(PROCESS_FAULTS + RETRIEVER_FAULTS + STATE_FAULTS)
+  if unknown or not kinds_all:
+    raise SystemExit(f"unknown fault kinds {sorted(unknown)} in --kinds={a.kinds!r}")
   rnd = random.Random(a.seed)
   work = a.work or tempfile.mkdtemp(prefix="trace_chaos_")
   jit_cache = os.path.join(work, "jit")
@@ -191,6 +201,18 @@ def main():
   if p.returncode != 0:
     raise SystemExit(f"reference run failed:\n{p.stdout[-3000:]}")
   ref_seconds = time.time() - t0
+  nan_refs = {}
+
+  def nan_reference(step):  # an uninterrupted run with the same NaN step, made once per step
+    if step not in nan_refs:
+      d = os.path.join(work, f"reference_nan{step}")
+      q = subprocess.run(run_args(a, d, proxy.port) + [f"--config.rl.inject_nan_steps={step}"],
+                         cwd=ROOT, env=env(jit_cache), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+      if q.returncode != 0:
+        raise SystemExit(f"reference run with a NaN at step {step} failed:\n{q.stdout[-3000:]}")
+      nan_refs[step] = d
+    return nan_refs[step]
   ref_calls = sum(r.get("retriever_calls", 0) for r in
                   (json.loads(x) for x in open(os.path.join(ref, "metrics.jsonl"))))
   print(f"reference run: {ref_seconds:.0f}s, {ref_calls} retriever calls", flush=True)
@@ -199,13 +221,19 @@ def main():
   while injected < a.faults:
     ti += 1
     workdir = os.path.join(work, f"trial{ti}")
-    kinds = [rnd.choice(PROCESS_FAULTS + RETRIEVER_FAULTS)
-             for _ in range(min(a.per_trial, a.faults - injected))]
+    kinds = [rnd.choice(kinds_all) for _ in range(min(a.per_trial, a.faults - injected))]
     log, attempts = [], 0
-    todo = list(kinds)
+    nan_step, extra, trial_ref = None, [], ref
+    if "nan" in kinds:  # one NaN step per trial, chosen before the run starts
+      nan_step = rnd.randint(1, a.steps - 1)
+      extra = [f"--config.rl.inject_nan_steps={nan_step}"]
+      trial_ref = nan_reference(nan_step)
+      log.append({"fault": "nan", "attempt": 1, "step": nan_step})
+    todo = [k for k in kinds if k not in STATE_FAULTS]
     while True:
       attempts += 1
-      proc = subprocess.Popen(run_args(a, workdir, proxy.port), cwd=ROOT, env=env(jit_cache),
+      proc = subprocess.Popen(run_args(a, workdir, proxy.port) + extra, cwd=ROOT,
+                              env=env(jit_cache),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       out = []
       reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
@@ -247,13 +275,20 @@ def main():
         log.append({"fault": "unexpected_exit", "exit": rc, "tail": "".join(out)[-1500:]})
         break
     finished = rc == 0
-    same_records = finished and records(workdir) == records(ref)
-    same_params = finished and same_state(workdir, ref, a.steps)
+    same_records = finished and records(workdir) == records(trial_ref)
+    same_params = finished and same_state(workdir, trial_ref, a.steps)
     steps = [r["step"] for r in records(workdir) if "effective_ratio" in r] if finished else []
     trial = dict(trial=ti, faults=log, attempts=attempts, finished=finished,
                  identical_records=same_records, identical_params=same_params,
                  each_step_once=steps == list(range(1, a.steps + 1)),
                  retriever_faults_injected=list(proxy.injected))
+    if nan_step is not None:
+      rl = {r["step"]: r for r in records(workdir) if "effective_ratio" in r} if finished else {}
+      arrays = final_arrays(workdir, a.steps) if finished else []
+      trial["nan_step_skipped"] = bool(
+          finished and rl[nan_step + 1].get("finite") == 0.0
+          and rl[a.steps].get("skipped_steps") == 1
+          and all(np.isfinite(x).all() for x in arrays if np.issubdtype(x.dtype, np.floating)))
     proxy.injected.clear()
     trials.append(trial)
     injected += sum(1 for f in log if f["fault"] != "unexpected_exit" and "note" not in f)
@@ -264,11 +299,11 @@ def main():
   faults = [f for t in trials for f in t["faults"]
             if f["fault"] != "unexpected_exit" and "note" not in f]
   ok = [t for t in trials if t["finished"] and t["identical_records"] and t["identical_params"]
-        and t["each_step_once"]]
+        and t["each_step_once"] and t.get("nan_step_skipped", True)]
   summary = dict(command="python launch/chaos.py " + " ".join(sys.argv[1:]),
                  faults_injected=len(faults),
                  by_kind={k: sum(f["fault"] == k for f in faults)
-                          for k in PROCESS_FAULTS + RETRIEVER_FAULTS},
+                          for k in PROCESS_FAULTS + RETRIEVER_FAULTS + STATE_FAULTS},
                  trials=len(trials), trials_identical_to_reference=len(ok),
                  reference_seconds=round(ref_seconds, 1), reference_retriever_calls=ref_calls,
                  runs=trials)
