@@ -134,8 +134,8 @@ def run_args(a, workdir, port):
           f"--config.world.cache_dir={a.cache}", f"--config.rl.steps={a.steps}",
           f"--config.sft.steps={a.sft_steps}", f"--config.sft.num_traces={a.sft_traces}",
           "--config.retriever.kind=http", f"--config.retriever.url=http://127.0.0.1:{port}",
-          f"--config.retriever.timeout_s={a.timeout}", "--config.retriever.retries=4",
-          "--config.retriever.backoff_s=0.2", "--config.eval.size=8",
+          f"--config.retriever.timeout_s={a.timeout}", "--config.retriever.retries=6",
+          "--config.retriever.backoff_s=0.5", "--config.eval.size=8",
           "--config.eval.every=2", "--config.ckpt.every=1"]
 
 
@@ -200,6 +200,14 @@ def main():
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   if p.returncode != 0:
     raise SystemExit(f"reference run failed:\n{p.stdout[-3000:]}")
+  # The faults are timed from a second, warm run (the first one compiled), which must also equal
+  # the first: a determinism check before any fault.
+  t0 = time.time()
+  warm = os.path.join(work, "reference_warm")
+  p = subprocess.run(run_args(a, warm, proxy.port), cwd=ROOT, env=env(jit_cache),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  if p.returncode != 0 or records(warm) != records(ref) or not same_state(warm, ref, a.steps):
+    raise SystemExit(f"two uninterrupted runs differ (rc={p.returncode}): no fault can be judged")
   ref_seconds = time.time() - t0
   nan_refs = {}
 
@@ -258,11 +266,13 @@ def main():
           proc.kill()
           break
         if kind == "server_restart":
+          t_down = time.time()
           server.kill()
           server.wait()
           time.sleep(0.5)
           server, port = start_server(world_dir)
           proxy.upstream = port
+          entry["down_s"] = round(time.time() - t_down, 1)
         else:
           proxy.arm(kind)
       rc = proc.wait(timeout=1800)
@@ -282,6 +292,12 @@ def main():
                  identical_records=same_records, identical_params=same_params,
                  each_step_once=steps == list(range(1, a.steps + 1)),
                  retriever_faults_injected=list(proxy.injected))
+    if finished and not same_records:  # where the trial first left the reference, for the log
+      for x, y in zip(records(workdir), records(trial_ref)):
+        if x != y:
+          trial["first_difference"] = dict(
+              step=x.get("step"), keys=sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k)))
+          break
     if nan_step is not None:
       rl = {r["step"]: r for r in records(workdir) if "effective_ratio" in r} if finished else {}
       arrays = final_arrays(workdir, a.steps) if finished else []
