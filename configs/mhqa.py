@@ -99,6 +99,9 @@ def _base():
   c.rollout.cost_aware = True     # budget_unit=tokens: rank anchors by gain per expected token
   c.rollout.metric_slice = 8      # random pool prompts per step measuring p̂ (outside the budget)
   c.rollout.metric_rollouts = 2   # rollouts per measured prompt (not trained on)
+  c.rollout.calibrate = "none"    # none | platt: stage 1 recalibrates p̂ on the slice's outcomes
+  c.rollout.calibrate_window = 8  # steps of slice outcomes in that fit
+  c.rollout.calibrate_prior = 10.0  # pseudo-pairs of evidence for the identity map
   c.rollout.dapo_oversample = 1.5  # dapo: prompts sampled per kept prompt
   c.rollout.arpo_entropy_top = 0.25  # arpo: share of candidate anchors with highest entropy
   c.rollout.temperature = 0.8     # at 1.0 the tiny policy's tail over entity names sinks most rollouts
@@ -281,6 +284,12 @@ def validate(c) -> None:
   _at_least(c, "rollout.blend_prior", 0)
   _at_least(c, "rollout.dapo_oversample", 1)
   _choice(c, "rollout.budget_unit", ("rollouts", "tokens"))
+  _choice(c, "rollout.calibrate", ("none", "platt"))
+  _at_least(c, "rollout.calibrate_window", 1)
+  _at_least(c, "rollout.calibrate_prior", 0)
+  if r.calibrate != "none" and r.metric_slice <= 0:
+    raise ValueError("rollout.calibrate needs rollout.metric_slice > 0 (the random slice whose "
+                     "outcomes it is fit on)")
   if not 0 < r.arpo_entropy_top <= 1:
     raise ValueError(f"rollout.arpo_entropy_top={r.arpo_entropy_top} must be in (0, 1]")
   if not 0 < r.top_p <= 1:

@@ -348,3 +348,17 @@ def test_anchor_posterior():
   # s = 0: the counts alone; an anchor equal to its root gets the tree's rate (clipped).
   out0 = np.asarray(alloc.anchor_posterior(p_root, p_root, succ, trials, 0.0))
   np.testing.assert_allclose(out0, [1e-4, 1e-4, 1 - 1e-4, 0.6], rtol=1e-5)
+
+
+def test_platt_fit_recovers_a_known_map_and_shrinks_to_identity():
+  from trace_jax.rollout.allocation import platt_apply, platt_fit
+  rng = np.random.default_rng(0)
+  logit = rng.normal(0, 2, 4000)
+  p_hat = 1 / (1 + np.exp(-logit))
+  y = (rng.random(4000) < 1 / (1 + np.exp(-(0.5 * logit - 0.4)))).astype(np.float64)
+  a, b = platt_fit(p_hat, y, prior_strength=1.0)
+  assert abs(a - 0.5) < 0.06 and abs(b + 0.4) < 0.1
+  assert platt_fit(p_hat[:4], y[:4], prior_strength=1e6) == pytest.approx((1.0, 0.0), abs=1e-3)
+  assert platt_apply(np.array([0.5]), 1.0, 0.0)[0] == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="equal 1-D"):
+    platt_fit(p_hat, y[:3])

@@ -422,3 +422,21 @@ def test_tree_grpo_expands_every_tree():
   per_tree = [sum(int(kk) for (ti, _), kk in zip(cands, k) if ti == i) for i in range(2)]
   assert per_tree == [2, 2]
   assert max(int(kk) for (ti, _), kk in zip(cands, k) if ti == 1) == 1  # distinct anchors first
+
+
+def test_platt_calibration_from_the_slice_changes_the_selection(engine):
+  """The slice says p̂ = 0.99 prompts succeed half the time and p̂ = 0.5 prompts never: after
+  calibration the prompt predicted easy is the most likely to be mixed, and is selected."""
+  driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=2,
+                                              calibrate="platt", calibrate_prior=1.0, **CFG),
+                         predict, prompt_features)
+  easy = float(predict(np.array([[EASY]]))[0])
+  driver._slice_log = [[("slice", easy, float(i % 2)) for i in range(20)]
+                       + [("slice", 0.5, 0.0) for _ in range(20)]]
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  s = driver.sample(examples, use_predictor=True)
+  engine.release(s.all_trees)
+  assert "0" in [t.meta["id"] for t in s.trees]
+  assert s.info["calib_a"] < 0.5 and s.info["calib_b"] < -1.0
+  # The slice keeps recording raw p̂ (what the next fit needs), not the calibrated one.
+  assert {round(x[1], 3) for x in driver._slice_log[-1]} <= {round(easy, 3), 0.5}

@@ -186,6 +186,8 @@ def build(c, validate_fn=None) -> Run:
                       blend_prior=r.blend_prior, anchor_posterior=r.anchor_posterior,
                       anchor_prior_strength=r.anchor_prior_strength, root_anchors=r.root_anchors,
                       metric_slice=r.metric_slice, metric_rollouts=r.metric_rollouts,
+                      calibrate=r.calibrate, calibrate_window=r.calibrate_window,
+                      calibrate_prior=r.calibrate_prior,
                       dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
   # The driver's predictor is set from the loop state at every sample_step.
   driver = RolloutDriver(engine, dcfg, None, engine.prompt_features, seed=c.seed)

@@ -15,6 +15,7 @@ few thousand picks, which is cheap next to sampling a single token.
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 # Keeps log(q) finite where q == 0 (a continuation surely differs from r); exp(k * log) -> 0 anyway.
@@ -404,3 +405,42 @@ def anchor_posterior(p_anchor, p_root, successes, trials, prior_strength):
   p_tree = jnp.clip(blend_with_outcomes(p_root, successes, trials, prior_strength), lo, hi)
   logit = lambda p: jnp.log(p) - jnp.log1p(-p)  # noqa: E731
   return jnp.clip(jax.nn.sigmoid(logit(p_tree) + logit(p_anchor) - logit(p_root)), lo, hi)
+
+
+def platt_fit(p_hat, outcomes, prior_strength: float = 10.0, steps: int = 25):
+  """Platt calibration of a predictor from (p̂, outcome) pairs: (a, b) such that
+  sigmoid(a * logit(p̂) + b) matches the outcomes, under a Gaussian prior centred on the identity
+  (a = 1, b = 0) whose weight equals `prior_strength` pairs, so a few pairs barely move it.
+
+  Args:
+    p_hat: f32[N] predicted success probabilities in (0, 1).
+    outcomes: f32[N] observed rewards in {0, 1} (or in [0, 1]).
+    prior_strength: pseudo-pairs of evidence for the identity map.
+    steps: Newton steps (the problem is convex: 2 parameters, logistic loss + quadratic prior).
+  Returns:
+    (a, b) floats.
+
+  >>> y = np.array([1.0] * 30 + [0.0] * 20 + [1.0] * 10 + [0.0] * 40)  # p̂ 0.9 -> 60% succeed
+  >>> a, b = platt_fit(np.array([0.9] * 50 + [0.1] * 50), y)
+  >>> bool(platt_apply(np.array([0.9]), a, b)[0] < 0.75)  # overconfident p̂ is pulled in
+  True
+  """
+  p = np.clip(np.asarray(p_hat, np.float64), 1e-4, 1 - 1e-4)
+  y = np.asarray(outcomes, np.float64)
+  if p.shape != y.shape or p.ndim != 1:
+    raise ValueError(f"p_hat {p.shape} and outcomes {y.shape} must be equal 1-D shapes")
+  x = np.stack([np.log(p / (1 - p)), np.ones_like(p)], axis=1)
+  theta, prior = np.array([1.0, 0.0]), np.array([1.0, 0.0])
+  lam = float(prior_strength)
+  for _ in range(steps):
+    q = 1 / (1 + np.exp(-(x @ theta)))
+    grad = x.T @ (q - y) + lam * (theta - prior)
+    hess = (x * (q * (1 - q))[:, None]).T @ x + lam * np.eye(2)
+    theta = theta - np.linalg.solve(hess, grad)
+  return float(theta[0]), float(theta[1])
+
+
+def platt_apply(p_hat, a: float, b: float):
+  """sigmoid(a * logit(p̂) + b), elementwise (numpy)."""
+  p = np.clip(np.asarray(p_hat, np.float64), 1e-4, 1 - 1e-4)
+  return (1 / (1 + np.exp(-(a * np.log(p / (1 - p)) + b)))).astype(np.float32)

@@ -42,6 +42,9 @@ class DriverConfig:
   metric_rollouts: int = 2        # rollouts per measured prompt (outside the budget, not trained)
   dapo_oversample: float = 1.5
   arpo_entropy_top: float = 0.25
+  calibrate: str = "none"         # none | platt: stage 1 uses p̂ recalibrated on the random slice's
+  calibrate_window: int = 8       # outcomes of the last this many steps (needs metric_slice > 0),
+  calibrate_prior: float = 10.0   # with the identity map worth this many pairs
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class RolloutDriver:
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
+    self._raw_p_root, self._calib = None, (1.0, 0.0)  # stage 1's p̂ before calibration, and (a, b)
 
   # ---- stage 1 -----------------------------------------------------------------------------------
   def _root_counts(self, examples, use_predictor):
@@ -87,6 +91,8 @@ class RolloutDriver:
         return m, None
       p_hat = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
                       1e-4, 1 - 1e-4).astype(np.float32)
+      self._raw_p_root = p_hat
+      p_hat = self._calibrated(p_hat)
       if n_sel < p:  # choose the prompts as well as their counts
         m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(p_hat)
       else:
@@ -310,7 +316,9 @@ class RolloutDriver:
       if kk > 0:
         before[(ti, nid)] = set(trees[ti].nodes[nid].children)
         forks.append(ForkRequest(trees[ti], nid, int(kk)))
-    slice_reqs, slice_p = self._slice_requests(examples, p_root, use_predictor)
+    slice_reqs, slice_p = self._slice_requests(
+        examples, self._raw_p_root if p_root is not None else None,
+        use_predictor)
     if forks or slice_reqs:
       # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its cost is
       # taken out of this step's ledger below.
@@ -329,6 +337,8 @@ class RolloutDriver:
     for t in trees:
       t.backup()
     slice_preds, slice_info = self._record_slice(slice_trees, slice_p)
+    if c.calibrate == "platt" and p_root is not None:
+      slice_info.update(calib_a=self._calib[0], calib_b=self._calib[1])
     ledger = {k2: v - ledger0.get(k2, 0) for k2, v in self.engine.ledger.as_dict().items()}
     if slice_trees:
       cost = _trees_cost(slice_trees)
@@ -343,6 +353,18 @@ class RolloutDriver:
                 **slice_info, **{f"ledger_{a}": b for a, b in ledger.items()})
     return StepSample(trees=trees, all_trees=trees, predictions=predictions, info=info,
                       slice_predictions=slice_preds)
+
+  def _calibrated(self, p_hat):
+    """p̂ mapped through a Platt fit on the random slice's (raw p̂, outcome) pairs of the last
+    `calibrate_window` steps: unbiased pairs, since the slice is drawn without looking at p̂."""
+    c = self.cfg
+    self._calib = (1.0, 0.0)
+    if c.calibrate != "platt" or not self._slice_log:
+      return p_hat
+    pairs = [x for step in self._slice_log[-c.calibrate_window:] for x in step]
+    self._calib = allocation.platt_fit(np.asarray([x[1] for x in pairs]),
+                                       np.asarray([x[2] for x in pairs]), c.calibrate_prior)
+    return allocation.platt_apply(p_hat, *self._calib)
 
   # ---- online predictor metrics on a random slice of the pool ------------------------------------
   def _slice_requests(self, examples, p_root, use_predictor):
