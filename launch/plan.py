@@ -21,9 +21,9 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from trace_jax.models.qwen3 import get_preset  # noqa: E402
+from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
 from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
                             format_table, plan_memory)
-from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/mhqa.py[:variant]")
 _MESH = flags.DEFINE_string("mesh", None, "one mesh, e.g. data:4,fsdp:1,tensor:8 (default: the "
@@ -80,37 +80,52 @@ def _breakdown(p) -> list[str]:
   return out
 
 
-# Config changes tried, cheapest first, when no mesh of a slice fits the config as is.
+# Config changes tried when no split of a slice fits the config as is: fewest changed fields first.
 def _changes(s: dict):
-  micro = [m for m in (s["micro_batches"], 64, 128, 256) if m >= s["micro_batches"]]
-  pages = [p for p in (s["num_pages"], 4096, 2048) if p <= s["num_pages"]]
+  micro = [s["micro_batches"]] + [m for m in (16, 8, 64, 128) if m != s["micro_batches"]]
+  pages = [s["num_pages"]] + [p for p in (4096, 2048) if p < s["num_pages"]]
   pools = [s["kv_pool"]] + [k for k in ("sharded",) if k != s["kv_pool"]]
   remats = [s["remat"]] + [r for r in ("full",) if r != s["remat"]]
-  for pool, remat, pg, m in itertools.product(pools, remats, pages, micro):
-    over = {k: v for k, v in dict(micro_batches=m, num_pages=pg, kv_pool=pool,
-                                  remat=remat).items() if v != s[k]}
-    yield over
+  out = []
+  for m, pg, pool, remat in itertools.product(micro, pages, pools, remats):
+    out.append({k: v for k, v in dict(micro_batches=m, num_pages=pg, kv_pool=pool,
+                                      remat=remat).items() if v != s[k]})
+  return sorted(out, key=len)  # stable: within a count, the order above
 
 
 def _search(cfg, c, n_dev: int, gb: float):
-  """The first change (in `_changes` order) under which some mesh fits, with that mesh's plan."""
+  """The first change (in `_changes` order) under which some split fits, with the best split's
+  plan (the lowest peak)."""
   s0 = _settings(c)
+  closest = None  # (over, mesh, plan) with the lowest peak of all tried, when none fits
   for over in _changes(s0):
     s = dict(s0, **over)
     best = None
     for mesh in candidate_meshes(n_dev, cfg.num_kv_heads):
       p = _plan(cfg, mesh, s)
+      if p.error:
+        continue
       if _fits(p, gb) and (best is None or p.total_gb < best[1].total_gb):
         best = (mesh, p)
+      if closest is None or p.total_gb < closest[2].total_gb:
+        closest = (over, mesh, p)
     if best:
-      return over, best
-  return None, None
+      return over, best, None
+  return None, None, closest
+
+
+def _configured_mesh(c, n_dev: int) -> str:
+  """The config's mesh (one axis may be -1) resolved on n_dev devices."""
+  sizes = parse_mesh_spec(c.mesh)
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  sizes = {k: (n_dev // fixed if v == -1 else v) for k, v in sizes.items()}
+  return ",".join(f"{k}:{v}" for k, v in sizes.items())
 
 
 def report(c) -> str:
   lines = []
   s = _settings(c)
-  lines.append(f"# Per-device memory of the RL loop: Qwen3-8B and Qwen3-14B\n")
+  lines.append("# Per-device memory of the RL loop: Qwen3-8B and Qwen3-14B\n")
   lines.append(f"Config `{c.variant}`: {s['num_slots']} decode slots, KV pool {s['num_pages']} "
                f"pages x {s['page_size']} tokens (layout `{s['kv_pool']}`), rows of "
                f"{s['seq_len']} tokens, train_rows {s['train_rows']}, micro_batches "
@@ -131,25 +146,35 @@ def report(c) -> str:
       plans = [_plan(cfg, m, s) for m in meshes]
       lines.append(f"## {preset} on {name} ({n_dev} devices), config as is\n")
       lines.append("```\n" + format_table(plans) + "\n```\n")
+      cm = _configured_mesh(c, n_dev)
+      cp = _plan(cfg, cm, s)
+      state = ("cannot run: " + cp.error if cp.error else
+               f"peak {cp.total_gb:.1f} GB, {'fits' if _fits(cp, gb) else 'does NOT fit'}")
+      summary.append(f"- {preset} on {name}, the config's own mesh `{c.mesh}` = {cm}: {state}.")
       ok = [(m, p) for m, p in zip(meshes, plans) if _fits(p, gb)]
       if ok:
         m, p = min(ok, key=lambda mp: mp[1].total_gb)
-        summary.append(f"- {preset} on {name}: fits as configured; best mesh {m} at "
-                       f"{p.total_gb:.1f} GB of {gb} GB.")
+        summary.append(f"- {preset} on {name}: fits with the rest of the config as is; best "
+                       f"split {m} at {p.total_gb:.1f} GB of {gb} GB.")
         continue
       valid = [(m, p) for m, p in zip(meshes, plans) if not p.error]
       if valid:
         m, p = min(valid, key=lambda mp: mp[1].total_gb)
-        why = [f"- {preset} on {name}: does NOT fit as configured. Best mesh {m} needs "
+        why = [f"- {preset} on {name}: no split fits the config as is. Best split {m} needs "
                f"{p.total_gb:.1f} GB per device of {gb} GB x {_HEADROOM:.0%}:"]
         why += ["  " + x for x in _breakdown(p)]
       else:
         why = [f"- {preset} on {name}: cannot run as configured on any split: "
                f"{plans[0].error} (e.g. {meshes[0]}), and likewise on every other split."]
-      over, best = _search(cfg, c, n_dev, gb)
+      over, best, closest = _search(cfg, c, n_dev, gb)
       if over is None:
-        why.append("  No tried change (micro_batches up to 256, num_pages down to 2048, KV "
-                   "pool sharded over data, remat full) makes it fit.")
+        why.append("  No tried change (micro_batches 8 to 128, num_pages down to 2048, KV "
+                   "pool sharded over data, remat full, together) makes it fit.")
+        if closest:
+          co, cm, cp = closest
+          why.append(f"  Closest: {co} on mesh {cm}, peak {cp.total_gb:.2f} GB of "
+                     f"{gb * _HEADROOM:.1f} usable:")
+          why += ["  " + x for x in _breakdown(cp)]
       else:
         bm, bp = best
         why.append(f"  Fits with {over or 'the mesh change alone'} on mesh {bm}: peak "

@@ -39,7 +39,8 @@ def test_weights_masters_moments_and_copies_follow_the_train_state():
 
 
 def test_kv_pool_layouts():
-  full = 8192 * 64 * 40 * 2 * 8 * 128 * 2 / 1e9  # pages x tokens x layers x (k, v) x Hkv x hd x bf16
+  # pages x tokens x layers x (k, v) x Hkv x hd x bf16
+  full = 8192 * 64 * 40 * 2 * 8 * 128 * 2 / 1e9
   assert _mem("data:4,fsdp:1,tensor:8", kv_pool="replicated").kv_pool_gb == pytest.approx(full)
   # main: KV heads over tensor (what XLA propagates into the engine's uncommitted pool), pages not
   # split over data; sharded: pages over data as well.
@@ -53,7 +54,7 @@ def test_update_terms_scale_with_micro_batches_remat_and_rows():
   kw = dict(rows=512, seq_len=4096, remat="dots")
   a = plan.plan_update_step(Q14, "data:4,fsdp:1,tensor:8", micro_batches=32, **kw)
   b = plan.plan_update_step(Q14, "data:4,fsdp:1,tensor:8", micro_batches=64, **kw)
-  act = lambda p: next(v for k, v in p.terms.items() if k.startswith("activations"))  # noqa
+  act = lambda p: next(v for k, v in p.terms.items() if k.startswith("activations"))
   assert b.terms["logits (f32)"] == pytest.approx(a.terms["logits (f32)"] / 2)
   assert act(b) == pytest.approx(act(a) / 2, rel=0.05)
   # remat keeps less: none > dots > full, and the f32 T^2 scores dominate a 4k-token layer.

@@ -46,8 +46,8 @@ from trace_jax.parallel.sharding import DEFAULT_RULES, logical_to_spec, parse_me
 GB = 1e9
 F32 = 4
 # Per-device f32 buffers of one micro-batch's logits [tokens, V / tensor] alive together in the
-# update (read off XLA's buffer assignment): the logits, their shifted slice [:, :-1], the exp of the
-# log-softmax (entropy), the cotangent and the cotangent padded back to T; plus the lm_head
+# update (read off XLA's buffer assignment): the logits, their shifted slice [:, :-1], the exp of
+# the log-softmax (entropy), the cotangent and the cotangent padded back to T; plus the lm_head
 # product's partial sums, which the SPMD partitioner computes for the rows of the whole fsdp group
 # (the contraction dim, embed, is split over fsdp) before reducing them: `5 + fsdp` buffers.
 LOGIT_BUFFERS = 5
@@ -113,9 +113,16 @@ def _layout(abstract, sizes: dict, rules) -> ParamLayout:
 def predictor_layout(hidden_size: int, predictor_hidden: int, sizes: dict,
                      rules=DEFAULT_RULES) -> float:
   """Per-device elements of `PredictorHead(hidden_size, predictor_hidden)` (f32)."""
+  return _predictor_layout(hidden_size, predictor_hidden, tuple(sorted(sizes.items())),
+                           tuple(rules))
+
+
+@functools.lru_cache(maxsize=256)
+def _predictor_layout(hidden_size, predictor_hidden, sizes, rules) -> float:
   from trace_jax.models.predictor import PredictorHead
   return _layout(nnx.eval_shape(lambda: PredictorHead(hidden_size, predictor_hidden,
-                                                      rngs=nnx.Rngs(0))), sizes, rules).per_device
+                                                      rngs=nnx.Rngs(0))), dict(sizes),
+                 rules).per_device
 
 
 def master_dtype_of(param_dtype, master_dtype="float32"):
@@ -232,8 +239,7 @@ def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, mi
       "batch": batch,
       "grads (accumulator + one micro-batch)": 2 * (lay.per_device * mb + npred * F32),
       "policy cast of the masters": lay.per_device * pb if pb != mb else 0.0,
-      "activations (remat=%s)" % remat: activation_bytes(cfg, sizes, rows_mb, seq_len, remat,
-                                                          ab),
+      f"activations (remat={remat})": activation_bytes(cfg, sizes, rows_mb, seq_len, remat, ab),
       "logits (f32)": logits_bytes(cfg, sizes, rows_mb * seq_len),
   }
   return StepPlan(terms, argument=state + batch, output=state, alias=state)
@@ -389,7 +395,8 @@ def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, 
                          rules=rules)
   decode_extra = {k: v / GB for k, v in dec.terms.items()
                   if k not in ("params (policy, param_dtype)", "KV pool")}
-  return MemoryPlan(mesh=sizes, n_params=lay.n_params, replicated_fallbacks=lay.replicated_fallbacks,
+  return MemoryPlan(mesh=sizes, n_params=lay.n_params,
+                    replicated_fallbacks=lay.replicated_fallbacks,
                     resident=resident, update_extra=update_extra, decode_extra=decode_extra,
                     error=error)
 
@@ -434,13 +441,13 @@ def format_table(plans: list[MemoryPlan], device_gb=DEVICE_GB, headroom: float =
     w = sum(v for k, v in p.resident.items() if k not in ("AdamW mu + nu", "KV pool"))
     if p.error:
       fits = "  ".join(f"{'--':>{len(str(g)) + 2}}" for g in device_gb)
-      rows.append(f"{str((m['data'], m['fsdp'], m['tensor'])):<14}{ndev:>5}{w:>9.2f}"
+      rows.append(f"{(m['data'], m['fsdp'], m['tensor'])!s:<14}{ndev:>5}{w:>9.2f}"
                   f"{p.optimizer_gb:>8.2f}{p.kv_pool_gb:>9.2f}{'n/a':>9}"
                   f"{sum(p.decode_extra.values()):>9.2f}{'n/a':>9}  {fits}")
       continue
     fits = "  ".join(f"{'yes' if p.total_gb <= g * headroom else 'no':>{len(str(g)) + 2}}"
                      for g in device_gb)
-    rows.append(f"{str((m['data'], m['fsdp'], m['tensor'])):<14}{ndev:>5}{w:>9.2f}"
+    rows.append(f"{(m['data'], m['fsdp'], m['tensor'])!s:<14}{ndev:>5}{w:>9.2f}"
                 f"{p.optimizer_gb:>8.2f}{p.kv_pool_gb:>9.2f}{sum(p.update_extra.values()):>9.2f}"
                 f"{sum(p.decode_extra.values()):>9.2f}{p.total_gb:>9.2f}  {fits}")
   return "\n".join(rows)

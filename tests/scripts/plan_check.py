@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trace_jax import plan
 from trace_jax.models.predictor import PredictorHead
