@@ -1,9 +1,17 @@
-"""Plans per-device memory of a config on one or more meshes, allocating nothing.
+"""Plans per-device memory of a config's RL loop on meshes and devices, allocating nothing.
 
-  python launch/plan.py --config=configs/mhqa.py:qwen3_14b --mesh=data:2,fsdp:4,tensor:8
-  python launch/plan.py --config=configs/mhqa.py:qwen3_14b          # the candidate mesh table
+  python launch/plan.py --config=configs/mhqa.py:qwen3_14b --mesh=data:4,fsdp:1,tensor:8
+  python launch/plan.py --config=configs/mhqa.py:qwen3_14b   # Qwen3-8B and 14B on v5p-64, v5e-256
+  python launch/plan.py --config=configs/mhqa.py:qwen3_14b --out=results/plan_qwen3.md
+
+The table takes the config's rollout (slots, KV pages, page size), env (sequence length) and rl
+(rows, micro-batches, remat, kl_coef) sections and plans both Qwen3-8B and Qwen3-14B with them on
+every (data, fsdp, tensor) split of the two slices; where no split fits, it searches the smallest
+config change that does (see `trace_jax/plan.py` for the terms).
 """
 
+import itertools
+import math
 import os
 import sys
 
@@ -13,12 +21,169 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from trace_jax.models.qwen3 import get_preset  # noqa: E402
-from trace_jax.plan import CANDIDATE_MESHES, DEVICE_GB, format_table, plan_memory  # noqa: E402
+from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
+from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
+                            format_table, plan_memory)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/mhqa.py[:variant]")
-_MESH = flags.DEFINE_string("mesh", None, "e.g. data:2,fsdp:4,tensor:8 (default: a table)")
-_MICRO = flags.DEFINE_integer("micro_batch_seqs", 0, "sequences per micro-batch (default: "
-                              "prompts_per_step x max_per_prompt / micro_batches)")
+_MESH = flags.DEFINE_string("mesh", None, "one mesh, e.g. data:4,fsdp:1,tensor:8 (default: the "
+                            "slice tables)")
+_KV_POOL = flags.DEFINE_enum("kv_pool", "main", KV_POOL_LAYOUTS, "KV pool layout: main (heads "
+                             "over tensor, as the code does today), sharded (pages over data too)"
+                             ", replicated")
+_OUT = flags.DEFINE_string("out", None, "also write the report (markdown) here")
+_HEADROOM = 0.9  # a plan fits a device when its peak is within 90% of the device's memory
+
+
+def _rows(train_rows: int, micro: int, dp: int) -> int:
+  """The packed batch's rows as `train.update_step` buckets them."""
+  m = math.lcm(micro, dp)
+  return max(m, -(-train_rows // m) * m)
+
+
+def _settings(c, **over) -> dict:
+  s = dict(num_pages=c.rollout.num_pages, page_size=c.rollout.page_size,
+           num_slots=c.rollout.num_slots, seq_len=c.env.max_seq_len,
+           train_rows=c.rl.train_rows, micro_batches=c.rl.micro_batches, remat=c.rl.remat,
+           kl_coef=c.rl.kl_coef, preds_per_row=3 * (c.env.max_turns + 2),
+           predictor_hidden=c.model.predictor_hidden, kv_pool=_KV_POOL.value)
+  s.update(over)
+  return s
+
+
+def _plan(cfg, mesh: str, s: dict):
+  sizes = parse_mesh_spec(mesh)
+  dp = sizes["data"] * sizes["fsdp"]
+  return plan_memory(cfg, mesh, num_pages=s["num_pages"], page_size=s["page_size"],
+                     seq_len=s["seq_len"], rows=_rows(s["train_rows"], s["micro_batches"], dp),
+                     micro_batches=s["micro_batches"], num_slots=s["num_slots"],
+                     remat=s["remat"], kl_coef=s["kl_coef"], kv_pool=s["kv_pool"],
+                     preds_per_row=s["preds_per_row"], predictor_hidden=s["predictor_hidden"])
+
+
+def _fits(p, gb: float) -> bool:
+  return not p.error and p.total_gb <= gb * _HEADROOM
+
+
+def _breakdown(p) -> list[str]:
+  out = [f"  resident {p.resident_gb:.2f} GB: " +
+         ", ".join(f"{k} {v:.2f}" for k, v in p.resident.items())]
+  if p.error:
+    out.append(f"  update: cannot run ({p.error})")
+  else:
+    out.append(f"  + update step {sum(p.update_extra.values()):.2f} GB: " +
+               ", ".join(f"{k} {v:.2f}" for k, v in p.update_extra.items()))
+  out.append(f"  + decode step {sum(p.decode_extra.values()):.2f} GB: " +
+             ", ".join(f"{k} {v:.2f}" for k, v in p.decode_extra.items()))
+  if not p.error:
+    out.append(f"  peak {p.total_gb:.2f} GB (update {p.update_gb:.2f}, decode {p.decode_gb:.2f})")
+  return out
+
+
+# Config changes tried when no split of a slice fits the config as is: fewest changed fields first.
+def _changes(s: dict):
+  micro = [s["micro_batches"]] + [m for m in (16, 8, 64, 128) if m != s["micro_batches"]]
+  pages = [s["num_pages"]] + [p for p in (4096, 2048) if p < s["num_pages"]]
+  pools = [s["kv_pool"]] + [k for k in ("sharded",) if k != s["kv_pool"]]
+  remats = [s["remat"]] + [r for r in ("full",) if r != s["remat"]]
+  out = []
+  for m, pg, pool, remat in itertools.product(micro, pages, pools, remats):
+    out.append({k: v for k, v in dict(micro_batches=m, num_pages=pg, kv_pool=pool,
+                                      remat=remat).items() if v != s[k]})
+  return sorted(out, key=len)  # stable: within a count, the order above
+
+
+def _search(cfg, c, n_dev: int, gb: float):
+  """The first change (in `_changes` order) under which some split fits, with the best split's
+  plan (the lowest peak)."""
+  s0 = _settings(c)
+  closest = None  # (over, mesh, plan) with the lowest peak of all tried, when none fits
+  for over in _changes(s0):
+    s = dict(s0, **over)
+    best = None
+    for mesh in candidate_meshes(n_dev, cfg.num_kv_heads):
+      p = _plan(cfg, mesh, s)
+      if p.error:
+        continue
+      if _fits(p, gb) and (best is None or p.total_gb < best[1].total_gb):
+        best = (mesh, p)
+      if closest is None or p.total_gb < closest[2].total_gb:
+        closest = (over, mesh, p)
+    if best:
+      return over, best, None
+  return None, None, closest
+
+
+def _configured_mesh(c, n_dev: int) -> str:
+  """The config's mesh (one axis may be -1) resolved on n_dev devices."""
+  sizes = parse_mesh_spec(c.mesh)
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  sizes = {k: (n_dev // fixed if v == -1 else v) for k, v in sizes.items()}
+  return ",".join(f"{k}:{v}" for k, v in sizes.items())
+
+
+def report(c) -> str:
+  lines = []
+  s = _settings(c)
+  lines.append("# Per-device memory of the RL loop: Qwen3-8B and Qwen3-14B\n")
+  lines.append(f"Config `{c.variant}`: {s['num_slots']} decode slots, KV pool {s['num_pages']} "
+               f"pages x {s['page_size']} tokens (layout `{s['kv_pool']}`), rows of "
+               f"{s['seq_len']} tokens, train_rows {s['train_rows']}, micro_batches "
+               f"{s['micro_batches']}, remat `{s['remat']}`, kl_coef {s['kl_coef']}, params "
+               f"{c.model.param_dtype} with f32 masters and f32 AdamW moments. GB = 1e9 bytes; "
+               f"'yes' = peak within {_HEADROOM:.0%} of the device's memory. Devices: " +
+               ", ".join(f"{n} {g} GB" for n, g in DEVICES) + ". Slices: " +
+               ", ".join(f"{k} = {n} chips of {g} GB" for k, (n, g) in SLICES.items()) + ".\n")
+  lines.append("Columns: weights = masters + sampler copy + init copy + KL reference; optim = "
+               "AdamW mu + nu; update+ / decode+ = what the update / decode step adds on top of "
+               "the resident set; peak = resident + the larger step. n/a: the batch split fails "
+               "on that mesh (rows not divisible by data x fsdp x micro_batches).\n")
+  summary = []
+  for preset in ("qwen3_8b", "qwen3_14b"):
+    cfg = get_preset(preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
+    for name, (n_dev, gb) in SLICES.items():
+      meshes = candidate_meshes(n_dev, cfg.num_kv_heads)
+      plans = [_plan(cfg, m, s) for m in meshes]
+      lines.append(f"## {preset} on {name} ({n_dev} devices), config as is\n")
+      lines.append("```\n" + format_table(plans) + "\n```\n")
+      cm = _configured_mesh(c, n_dev)
+      cp = _plan(cfg, cm, s)
+      state = ("cannot run: " + cp.error if cp.error else
+               f"peak {cp.total_gb:.1f} GB, {'fits' if _fits(cp, gb) else 'does NOT fit'}")
+      summary.append(f"- {preset} on {name}, the config's own mesh `{c.mesh}` = {cm}: {state}.")
+      ok = [(m, p) for m, p in zip(meshes, plans) if _fits(p, gb)]
+      if ok:
+        m, p = min(ok, key=lambda mp: mp[1].total_gb)
+        summary.append(f"- {preset} on {name}: fits with the rest of the config as is; best "
+                       f"split {m} at {p.total_gb:.1f} GB of {gb} GB.")
+        continue
+      valid = [(m, p) for m, p in zip(meshes, plans) if not p.error]
+      if valid:
+        m, p = min(valid, key=lambda mp: mp[1].total_gb)
+        why = [f"- {preset} on {name}: no split fits the config as is. Best split {m} needs "
+               f"{p.total_gb:.1f} GB per device of {gb} GB x {_HEADROOM:.0%}:"]
+        why += ["  " + x for x in _breakdown(p)]
+      else:
+        why = [f"- {preset} on {name}: cannot run as configured on any split: "
+               f"{plans[0].error} (e.g. {meshes[0]}), and likewise on every other split."]
+      over, best, closest = _search(cfg, c, n_dev, gb)
+      if over is None:
+        why.append("  No tried change (micro_batches 8 to 128, num_pages down to 2048, KV "
+                   "pool sharded over data, remat full, together) makes it fit.")
+        if closest:
+          co, cm, cp = closest
+          why.append(f"  Closest: {co} on mesh {cm}, peak {cp.total_gb:.2f} GB of "
+                     f"{gb * _HEADROOM:.1f} usable:")
+          why += ["  " + x for x in _breakdown(cp)]
+      else:
+        bm, bp = best
+        why.append(f"  Fits with {over or 'the mesh change alone'} on mesh {bm}: peak "
+                   f"{bp.total_gb:.1f} GB.")
+        why += ["  " + x for x in _breakdown(bp)]
+      summary += why
+  lines.append("## Summary\n")
+  lines += summary
+  return "\n".join(lines) + "\n"
 
 
 def main(argv):
@@ -26,17 +191,19 @@ def main(argv):
   c = _CONFIG.value
   if c is None:
     raise app.UsageError("--config is required, e.g. --config=configs/mhqa.py:qwen3_14b")
-  cfg = get_preset(c.model.preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
-  seqs = _MICRO.value or max(
-      1, (c.rollout.root_budget + c.rollout.prefix_budget) // c.rl.micro_batches)
-  meshes = [_MESH.value] if _MESH.value else list(CANDIDATE_MESHES)
-  plans = [plan_memory(cfg, m, num_pages=c.rollout.num_pages, page_size=c.rollout.page_size,
-                       micro_batch_seqs=seqs, seq_len=c.env.max_seq_len) for m in meshes]
-  print(f"{c.model.preset}: {plans[0].n_params / 1e9:.2f}B parameters ({c.model.param_dtype}), "
-        f"AdamW moments f32, KV pool {c.rollout.num_pages} pages x {c.rollout.page_size} tokens, "
-        f"micro-batch {seqs} x {c.env.max_seq_len} tokens, per-layer remat")
-  print(format_table(plans))
-  print(f"('fits' = total within 90% of a {', '.join(map(str, DEVICE_GB))} GB device)")
+  if _MESH.value:
+    cfg = get_preset(c.model.preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
+    p = _plan(cfg, _MESH.value, _settings(c))
+    print(f"{c.model.preset}: {p.n_params / 1e9:.2f}B parameters on {_MESH.value}")
+    print(format_table([p]))
+    print("\n".join(_breakdown(p)))
+    return
+  text = report(c)
+  print(text)
+  if _OUT.value:
+    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+    with open(_OUT.value, "w") as f:
+      f.write(text)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,56 @@
-"""Per-device memory on paper: parameters, optimizer state, gradients, KV pool, activations.
+"""Per-device memory on paper, term by term, from the layouts the code uses.
 
-Everything comes from `nnx.eval_shape` and the logical sharding rules on an abstract mesh, so
-planning a 14B model allocates nothing.
+Nothing is allocated: parameter shapes come from `nnx.eval_shape`, their per-device split from the
+same logical rules (`parallel.sharding.logical_to_spec`) the update's `state_shardings` uses.
+
+What the code lays out (trace_jax/rl/update.py, trace_jax/train.py, trace_jax/rollout/):
+- Train state (`init_train_state`): masters in `master_dtype` (f32) when the params are of lower
+  precision (bf16), AdamW moments mu and nu in the masters' dtype, the predictor head (f32,
+  replicated) and its AdamW moments, all sharded by the parameters' logical axes.
+- Other weight copies alive during a run: the sampler's policy weights (`policy_params`, the
+  masters cast to param_dtype, held by the engine between steps), the KL reference (one copy in
+  param_dtype when kl_coef > 0) and `Run.init_params` (the warm-started params in param_dtype, kept
+  by `train.build` for `init_state`).
+- The update step (`jit_update_step`, state donated, so its outputs alias its arguments): the
+  batch (rows split over data x fsdp), the f32 gradient accumulator of the micro-batch scan plus
+  one micro-batch's gradients, the param_dtype cast of the masters the forward runs on, the
+  activations of one micro-batch of rows / (data x fsdp x micro_batches) rows with the configured
+  remat, one layer's working set including the f32 attention scores [B, Hkv, G*T, T] (no flash
+  path in the training forward: `dense_attention`), and the f32 logits [tokens, V / tensor].
+- The `lax.cond` non-finite guard computes the would-be update inside reductions only, so it adds
+  no second state (nothing is counted for it).
+- KV pool (`paged_kv.init_pool`): per layer k and v [num_pages, page_size, Hkv, hd] in the compute
+  dtype. On `main` the engine builds it with `jnp.zeros` outside any mesh (an uncommitted array),
+  and its first jitted prefill lets XLA choose its sharding: propagated from the k/v projections,
+  the KV heads split over `tensor` (`P(None, None, "tensor")`, when tensor divides the KV heads)
+  and every page is replicated over data x fsdp. `kv_pool="main"` (the default) plans exactly that.
+  `kv_pool="sharded"` plans the layout the sampler is moving to: pages split over `data`, KV heads
+  over `tensor`. `kv_pool="replicated"`: a full pool on every device.
+
+Figures are bytes per device; GB = 1e9 bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, Qwen3Config
+from trace_jax.models.qwen3.config import resolve_dtype
 from trace_jax.parallel.sharding import DEFAULT_RULES, logical_to_spec, parse_mesh_spec
 
 GB = 1e9
+F32 = 4
+# Per-device f32 buffers of one micro-batch's logits [tokens, V / tensor] alive together in the
+# update (read off XLA's buffer assignment): the logits, their shifted slice [:, :-1], the exp of
+# the log-softmax (entropy), the cotangent and the cotangent padded back to T; plus the lm_head
+# product's partial sums, which the SPMD partitioner computes for the rows of the whole fsdp group
+# (the contraction dim, embed, is split over fsdp) before reducing them: `5 + fsdp` buffers.
+LOGIT_BUFFERS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,97 +59,395 @@ class _MeshShape:
   shape: dict
 
 
-@dataclasses.dataclass
-class MemoryPlan:
-  mesh: dict
-  params_gb: float
-  grads_gb: float
-  optimizer_gb: float
-  kv_pool_gb: float
-  activations_gb: float
-  n_params: int
-  replicated_fallbacks: int
-
-  @property
-  def total_gb(self) -> float:
-    return (self.params_gb + self.grads_gb + self.optimizer_gb + self.kv_pool_gb +
-            self.activations_gb)
+def _nbytes(dtype) -> int:
+  return np.dtype(resolve_dtype(dtype)).itemsize
 
 
-def _spec_factor(spec, mesh) -> int:
+def _spec_factor(spec, sizes) -> int:
   f = 1
   for axes in spec:
     if axes is None:
       continue
     for a in (axes,) if isinstance(axes, str) else axes:
-      f *= mesh.shape[a]
+      f *= sizes[a]
   return f
 
 
-def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int,
-                micro_batch_seqs: int, seq_len: int, rules=DEFAULT_RULES,
-                optimizer_bytes_per_param: int = 8) -> MemoryPlan:
-  """Per-device bytes of one training + sampling process on a (data, fsdp, tensor) mesh.
+@dataclasses.dataclass
+class ParamLayout:
+  """Per-device elements of the model's parameters in the logical sharding."""
+  n_params: int             # all elements
+  per_device: float         # elements on one device
+  replicated_fallbacks: int  # parameters a mesh axis could not split (left replicated)
 
-  micro_batch_seqs: sequences per micro-batch over the whole mesh (split over data x fsdp).
-  Activations assume per-layer rematerialization: the residual stream of every layer is kept, plus
-  one layer's working set and the f32 logits of the micro-batch.
-  """
-  sizes = parse_mesh_spec(mesh_spec)
-  if any(s < 1 for s in sizes.values()):
-    raise ValueError(f"plan needs explicit mesh sizes, got {sizes}")
+
+def param_layout(cfg: Qwen3Config, sizes: dict, rules=DEFAULT_RULES) -> ParamLayout:
+  return _param_layout(cfg, tuple(sorted(sizes.items())), tuple(rules))
+
+
+@functools.lru_cache(maxsize=256)
+def _param_layout(cfg, sizes, rules) -> ParamLayout:
+  return _layout(_abstract_model(cfg), dict(sizes), rules)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(cfg):
+  return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+
+
+def _layout(abstract, sizes: dict, rules) -> ParamLayout:
   mesh = _MeshShape(sizes)
-  abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
-  pbytes = np.dtype(cfg.param_dtype).itemsize
-  params = n_params = fallbacks = 0
-  opt = 0.0
+  n = per = fallbacks = 0
   for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     sds = v.get_value() if hasattr(v, "get_value") else v.value
-    n = math.prod(sds.shape)
+    k = math.prod(sds.shape)
     axes = v.logical_axes
     spec = logical_to_spec(axes, rules, mesh, sds.shape)
     if spec != logical_to_spec(axes, rules, mesh):
       fallbacks += 1
-    f = _spec_factor(spec, mesh)
-    n_params += n
-    params += n * pbytes / f
-    opt += n * optimizer_bytes_per_param / f
-  kv_shard = min(sizes["tensor"], cfg.num_kv_heads) if cfg.num_kv_heads % sizes["tensor"] == 0 \
-      else 1
-  kv = (num_pages * page_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim *
-        np.dtype(cfg.dtype).itemsize / kv_shard)
-  dp = sizes["data"] * sizes["fsdp"]
-  tok = max(micro_batch_seqs // dp, 1) * seq_len
+    n += k
+    per += k / _spec_factor(spec, sizes)
+  return ParamLayout(n, per, fallbacks)
+
+
+def predictor_layout(hidden_size: int, predictor_hidden: int, sizes: dict,
+                     rules=DEFAULT_RULES) -> float:
+  """Per-device elements of `PredictorHead(hidden_size, predictor_hidden)` (f32)."""
+  return _predictor_layout(hidden_size, predictor_hidden, tuple(sorted(sizes.items())),
+                           tuple(rules))
+
+
+@functools.lru_cache(maxsize=256)
+def _predictor_layout(hidden_size, predictor_hidden, sizes, rules) -> float:
+  from trace_jax.models.predictor import PredictorHead
+  return _layout(nnx.eval_shape(lambda: PredictorHead(hidden_size, predictor_hidden,
+                                                      rngs=nnx.Rngs(0))), dict(sizes),
+                 rules).per_device
+
+
+def master_dtype_of(param_dtype, master_dtype="float32"):
+  """The masters' dtype `update.to_master` gives params of `param_dtype`."""
+  if master_dtype is None:
+    return resolve_dtype(param_dtype)
+  p, m = np.dtype(resolve_dtype(param_dtype)), np.dtype(resolve_dtype(master_dtype))
+  return m if p.itemsize < m.itemsize else p
+
+
+def _kv_split(cfg: Qwen3Config, sizes: dict) -> int:
   t = sizes["tensor"]
-  act_b = np.dtype(cfg.dtype).itemsize
-  residual = cfg.num_layers * tok * cfg.hidden_size * act_b
-  layer = tok * (4 * cfg.hidden_size + 3 * cfg.intermediate_size / t +
-                 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim / t) * act_b
-  logits = tok * cfg.vocab_size / t * 4 * 2  # f32 logits and their log-softmax
-  return MemoryPlan(mesh=sizes, params_gb=params / GB, grads_gb=params / GB,
-                    optimizer_gb=opt / GB, kv_pool_gb=kv / GB,
-                    activations_gb=(residual + layer + logits) / GB, n_params=n_params,
-                    replicated_fallbacks=fallbacks)
+  return t if t > 1 and cfg.num_kv_heads % t == 0 else 1
 
 
-CANDIDATE_MESHES = ("data:1,fsdp:1,tensor:1", "data:1,fsdp:1,tensor:2", "data:1,fsdp:1,tensor:4",
-                    "data:1,fsdp:1,tensor:8", "data:1,fsdp:2,tensor:8", "data:1,fsdp:4,tensor:8",
-                    "data:2,fsdp:4,tensor:8", "data:1,fsdp:8,tensor:8", "data:1,fsdp:16,tensor:8")
-DEVICE_GB = (16, 80, 141)
+def _heads_split(n: int, t: int) -> int:
+  return t if t > 1 and n % t == 0 else 1
+
+
+# ---- activations of one micro-batch ------------------------------------------------------------
+def layer_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, act_bytes: int,
+                what: str) -> float:
+  """Bytes per device of one decoder layer for `rows` rows of `seq_len` tokens (per device).
+
+  what:
+    "saved"   everything the backward reads when nothing is rematerialized: the layer input, both
+              norms' outputs, q, k, v (projected and after norm + rope), the attention output, the
+              residual after attention, gate, up, silu(gate) * up, and two f32 score tensors
+              [B, Hkv, G*T, T] (the masked scores and the softmax) per device.
+    "dots"    what `remat="dots"` keeps (`dots_with_no_batch_dims_saveable`): the layer input and
+              the outputs of the weight matmuls (q, k, v, o_proj, gate, up, down); scores are
+              recomputed.
+    "input"   what `remat="full"` keeps: the layer input.
+    "working" the transient set of one layer's backward: its saved set, the same again for the
+              cotangents, and one more f32 score tensor.
+  """
+  t = sizes["tensor"]
+  tok = rows * seq_len
+  d, f = cfg.hidden_size, cfg.intermediate_size / _heads_split(cfg.intermediate_size, t)
+  q = cfg.num_heads * cfg.head_dim / _heads_split(cfg.num_heads, t)
+  kv = cfg.num_kv_heads * cfg.head_dim / _kv_split(cfg, sizes)
+  scores = rows * cfg.num_heads / _heads_split(cfg.num_heads, t) * seq_len * seq_len * F32
+  if what == "input":
+    return tok * d * act_bytes
+  if what == "dots":
+    return tok * (3 * d + q + 2 * kv + 2 * f) * act_bytes
+  saved = tok * (5 * d + 3 * q + 4 * kv + 3 * f) * act_bytes + 2 * scores
+  if what == "saved":
+    return saved
+  if what == "working":
+    return 2 * saved + scores
+  raise ValueError(f"layer_bytes(what={what!r})")
+
+
+def activation_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, remat: str,
+                     act_bytes: int) -> float:
+  """Peak activation bytes per device of one micro-batch's forward + backward, for the update's
+  `remat` ("none" | "dots" | "full"): every layer's kept set plus one layer's working set."""
+  lb = functools.partial(layer_bytes, cfg, sizes, rows, seq_len, act_bytes)
+  if remat == "none":
+    return cfg.num_layers * lb("saved") + lb("working") - lb("saved")
+  keep = {"dots": "dots", "full": "input"}[remat]
+  return cfg.num_layers * lb(keep) + lb("working")
+
+
+def logits_bytes(cfg: Qwen3Config, sizes: dict, tokens: int) -> float:
+  """f32 logits buffers of one micro-batch per device (see LOGIT_BUFFERS)."""
+  v = cfg.vocab_size / _heads_split(cfg.vocab_size, sizes["tensor"])
+  return (LOGIT_BUFFERS + sizes["fsdp"]) * tokens * v * F32
+
+
+# ---- the two jitted steps ----------------------------------------------------------------------
+@dataclasses.dataclass
+class StepPlan:
+  """Bytes per device of one jitted step, in the terms of `compiled.memory_analysis()`."""
+  terms: dict      # name -> bytes
+  argument: float  # what the step's arguments hold on the device
+  output: float    # its outputs (donated ones alias the arguments)
+  alias: float     # output bytes written into donated argument buffers
+
+  @property
+  def temp(self) -> float:
+    return self.total - self.argument - self.output + self.alias
+
+  @property
+  def total(self) -> float:
+    """argument + output + temp - alias: the step's whole footprint on one device."""
+    return sum(self.terms.values())
+
+
+def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, micro_batches: int,
+                     remat: str = "none", preds_per_row: int = 18, master_dtype="float32",
+                     predictor_hidden: int = 256, act_dtype=None,
+                     rules=DEFAULT_RULES) -> StepPlan:
+  """The update step as `train.build` jits it (`jit_update_step` with `state_shardings`, state
+  donated). rows: the packed batch's rows (all devices); act_dtype: the activations' dtype
+  (default cfg.dtype)."""
+  sizes = _sizes(mesh_spec)
+  dp = sizes["data"] * sizes["fsdp"]
+  if rows % (dp * micro_batches):
+    raise ValueError(f"rows={rows} is not divisible by data x fsdp x micro_batches = "
+                     f"{dp} x {micro_batches} (the micro-batch split needs whole rows per shard)")
+  lay = param_layout(cfg, sizes, rules)
+  mb = _nbytes(master_dtype_of(cfg.param_dtype, master_dtype))
+  pb = _nbytes(cfg.param_dtype)
+  ab = _nbytes(act_dtype or cfg.dtype)
+  npred = predictor_layout(cfg.hidden_size, predictor_hidden, sizes, rules)
+  state = lay.per_device * 3 * mb + npred * 3 * F32
+  rows_dev = rows // dp
+  batch = rows_dev * (seq_len * (3 * 4 + 4 * F32) + preds_per_row * (4 + 2 * F32))
+  rows_mb = rows_dev // micro_batches
+  terms = {
+      "state (masters + AdamW mu, nu)": state,
+      "batch": batch,
+      "grads (accumulator + one micro-batch)": 2 * (lay.per_device * mb + npred * F32),
+      "policy cast of the masters": lay.per_device * pb if pb != mb else 0.0,
+      f"activations (remat={remat})": activation_bytes(cfg, sizes, rows_mb, seq_len, remat, ab),
+      "logits (f32)": logits_bytes(cfg, sizes, rows_mb * seq_len),
+  }
+  return StepPlan(terms, argument=state + batch, output=state, alias=state)
+
+
+KV_POOL_LAYOUTS = ("main", "sharded", "replicated")
+
+
+def kv_pool_split(cfg: Qwen3Config, sizes: dict, kv_pool: str = "main") -> int:
+  """Into how many pieces the pool is split per device (see the module docstring)."""
+  if kv_pool not in KV_POOL_LAYOUTS:
+    raise ValueError(f"kv_pool={kv_pool!r}; expected one of {KV_POOL_LAYOUTS}")
+  if kv_pool == "replicated":
+    return 1
+  pages = sizes["data"] if kv_pool == "sharded" else 1
+  return pages * _kv_split(cfg, sizes)
+
+
+def kv_pool_bytes(cfg: Qwen3Config, sizes: dict, *, num_pages: int, page_size: int,
+                  kv_pool: str = "main", kv_dtype=None) -> float:
+  """Per-device bytes of the paged KV pool in the layout `kv_pool`."""
+  full = (num_pages * page_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim *
+          _nbytes(kv_dtype or cfg.dtype))
+  return full / kv_pool_split(cfg, sizes, kv_pool)
+
+
+def plan_decode_step(cfg: Qwen3Config, mesh_spec, *, num_slots: int, num_pages: int,
+                     page_size: int, max_seq_len: int, kv_pool: str = "main",
+                     group_size: int | None = None, num_groups: int | None = None,
+                     kv_dtype=None, rules=DEFAULT_RULES) -> StepPlan:
+  """The sampler's jitted decode step (`engine_ops.make_decode_step`, pool donated) with the tree
+  tables at their widest bucket (max_seq_len / page_size pages per group and per suffix).
+
+  Temporaries (the larger of the two, they are not alive together): one layer's attention, i.e.
+  the pages gathered for every group and every slot suffix (k in the pool's dtype, v cast to f32)
+  and its f32 scores and exps; or the f32 logits of the slots over the whole vocabulary with their
+  softmax, exp and cumulative sums (4 buffers [slots, vocab])."""
+  sizes = _sizes(mesh_spec)
+  lay = param_layout(cfg, sizes, rules)
+  params = lay.per_device * _nbytes(cfg.param_dtype)
+  pool = kv_pool_bytes(cfg, sizes, num_pages=num_pages, page_size=page_size,
+                       kv_pool=kv_pool, kv_dtype=kv_dtype)
+  gs = group_size or min(num_slots, 8)
+  ng = num_groups or max(1, -(-2 * num_slots // gs))
+  width = -(-max_seq_len // page_size) * page_size
+  kvb = _nbytes(kv_dtype or cfg.dtype)
+  # The attention runs where the pool's KV heads live; pages split over data are gathered whole.
+  hkv = cfg.num_kv_heads / (_kv_split(cfg, sizes) if kv_pool != "replicated" else 1)
+  seqs = ng + num_slots
+  gathered = seqs * width * hkv * cfg.head_dim * (kvb + F32)
+  heads = cfg.num_heads / (_heads_split(cfg.num_heads, sizes["tensor"])
+                           if kv_pool != "replicated" else 1)
+  scores = (ng * gs + num_slots) * heads * width * F32 * 2  # logits and exp
+  logits = 4 * num_slots * cfg.vocab_size * F32
+  batch = num_slots * (4 * 6 + 8 + 4 + 4 + 1) + 4 * (ng * (width // page_size + 1 + gs) +
+                                                      num_slots * (width // page_size + 1))
+  terms = {"params (policy, param_dtype)": params, "KV pool": pool, "batch and tables": batch,
+           "step temporaries: max(attention of one layer, logits)": max(gathered + scores, logits)}
+  return StepPlan(terms, argument=params + pool + batch, output=pool, alias=pool)
+
+
+# ---- a whole training process -----------------------------------------------------------------
+def _sizes(mesh_spec) -> dict:
+  sizes = parse_mesh_spec(mesh_spec)
+  if any(s < 1 for s in sizes.values()):
+    raise ValueError(f"plan needs explicit mesh sizes, got {sizes}")
+  return sizes
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+  """Per-device GB of a training process: what stays allocated plus its largest step."""
+  mesh: dict
+  n_params: int
+  replicated_fallbacks: int
+  resident: dict         # name -> GB, alive through the whole loop
+  update_extra: dict     # name -> GB, alive only inside the update step
+  decode_extra: dict     # name -> GB, alive only inside a decode step
+  error: str = ""        # a reason the config cannot run on this mesh at all
+
+  @property
+  def resident_gb(self) -> float:
+    return sum(self.resident.values())
+
+  @property
+  def update_gb(self) -> float:
+    return self.resident_gb + sum(self.update_extra.values())
+
+  @property
+  def decode_gb(self) -> float:
+    return self.resident_gb + sum(self.decode_extra.values())
+
+  @property
+  def total_gb(self) -> float:
+    return max(self.update_gb, self.decode_gb)
+
+  # Older names, kept for callers of the first plan.
+  @property
+  def params_gb(self) -> float:
+    return self.resident.get("policy weights (sampler)", 0.0)
+
+  @property
+  def optimizer_gb(self) -> float:
+    return self.resident.get("AdamW mu + nu", 0.0)
+
+  @property
+  def kv_pool_gb(self) -> float:
+    return self.resident.get("KV pool", 0.0)
+
+
+def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, seq_len: int,
+                rows: int | None = None, micro_batches: int = 1,
+                micro_batch_seqs: int | None = None, num_slots: int = 256, remat: str = "none",
+                kl_coef: float = 0.0, kv_pool: str = "main", master_dtype="float32",
+                preds_per_row: int = 18, predictor_hidden: int = 256,
+                rules=DEFAULT_RULES) -> MemoryPlan:
+  """Per-device memory of one process running the RL loop of `train.py` on a (data, fsdp,
+  tensor) mesh: resident weights, optimizer state and KV pool, plus the larger of the update
+  step's and the decode step's own temporaries.
+
+  rows: the update batch's packed rows (all devices), split into `micro_batches`;
+  `micro_batch_seqs` (the first plan's argument) stands for rows=micro_batch_seqs, one micro-batch.
+  """
+  if rows is None:
+    if micro_batch_seqs is None:
+      raise ValueError("plan_memory needs rows (and micro_batches) or micro_batch_seqs")
+    rows, micro_batches = micro_batch_seqs, 1
+  sizes = _sizes(mesh_spec)
+  lay = param_layout(cfg, sizes, rules)
+  mb = _nbytes(master_dtype_of(cfg.param_dtype, master_dtype))
+  pb = _nbytes(cfg.param_dtype)
+  per = lay.per_device
+  resident = {
+      "masters": per * mb / GB,
+      "AdamW mu + nu": 2 * per * mb / GB,
+      "policy weights (sampler)": per * pb / GB,
+      "init params (Run.init_params)": per * pb / GB if mb != pb else 0.0,
+      "KL reference": per * pb / GB if kl_coef > 0 else 0.0,
+      "KV pool": kv_pool_bytes(cfg, sizes, num_pages=num_pages, page_size=page_size,
+                               kv_pool=kv_pool) / GB,
+  }
+  error, update_extra = "", {}
+  try:
+    up = plan_update_step(cfg, sizes, rows=rows, seq_len=seq_len, micro_batches=micro_batches,
+                          remat=remat, preds_per_row=preds_per_row, master_dtype=master_dtype,
+                          predictor_hidden=predictor_hidden, rules=rules)
+    skip = ("state (masters + AdamW mu, nu)",)
+    update_extra = {k: v / GB for k, v in up.terms.items() if k not in skip}
+  except ValueError as e:
+    error = str(e)
+  dec = plan_decode_step(cfg, sizes, num_slots=num_slots, num_pages=num_pages,
+                         page_size=page_size, max_seq_len=seq_len, kv_pool=kv_pool,
+                         rules=rules)
+  decode_extra = {k: v / GB for k, v in dec.terms.items()
+                  if k not in ("params (policy, param_dtype)", "KV pool")}
+  return MemoryPlan(mesh=sizes, n_params=lay.n_params,
+                    replicated_fallbacks=lay.replicated_fallbacks,
+                    resident=resident, update_extra=update_extra, decode_extra=decode_extra,
+                    error=error)
+
+
+# ---- devices, meshes, the table ----------------------------------------------------------------
+# name -> (GB of memory per device); the per-device figure a plan must stay under.
+DEVICES = (("v5e", 16), ("v4", 32), ("v5p", 95), ("H200", 141))
+DEVICE_GB = tuple(g for _, g in DEVICES)
+# Slices named by TensorCores: v5p-64 is 32 chips of 95 GB, v5e-256 is 256 chips of 16 GB.
+SLICES = {"v5p-64": (32, 95), "v5e-256": (256, 16)}
+
+
+def candidate_meshes(n_devices: int, num_kv_heads: int = 8) -> list[str]:
+  """(data, fsdp, tensor) splits of n_devices with tensor dividing the KV heads, tensor >= 4."""
+  out = []
+  for t in (4, 8):
+    if n_devices % t or num_kv_heads % t:
+      continue
+    rest = n_devices // t
+    f = 1
+    while f <= rest:
+      if rest % f == 0:
+        out.append(f"data:{rest // f},fsdp:{f},tensor:{t}")
+      f *= 2
+  return out
+
+
+CANDIDATE_MESHES = ("data:1,fsdp:1,tensor:8", "data:4,fsdp:1,tensor:8", "data:1,fsdp:4,tensor:8",
+                    "data:2,fsdp:2,tensor:8", "data:1,fsdp:8,tensor:4",
+                    "data:32,fsdp:1,tensor:8", "data:1,fsdp:32,tensor:8",
+                    "data:4,fsdp:8,tensor:8", "data:2,fsdp:16,tensor:8")
 
 
 def format_table(plans: list[MemoryPlan], device_gb=DEVICE_GB, headroom: float = 0.9) -> str:
-  head = (f"{'mesh (data,fsdp,tensor)':<24}{'devices':>8}{'params':>9}{'grads':>8}{'optim':>8}"
-          f"{'kv pool':>9}{'activ.':>8}{'total GB':>10}  " +
-          "  ".join(f"fits {g}GB" for g in device_gb))
+  head = (f"{'mesh (d,f,t)':<14}{'dev':>5}{'weights':>9}{'optim':>8}{'kv pool':>9}"
+          f"{'update+':>9}{'decode+':>9}{'peak GB':>9}  " +
+          "  ".join(f"{g}GB" for g in device_gb))
   rows = [head, "-" * len(head)]
   for p in plans:
     m = p.mesh
     ndev = m["data"] * m["fsdp"] * m["tensor"]
-    fits = "  ".join(f"{'yes' if p.total_gb <= g * headroom else 'no':>9}" for g in device_gb)
-    rows.append(f"{str((m['data'], m['fsdp'], m['tensor'])):<24}{ndev:>8}{p.params_gb:>9.2f}"
-                f"{p.grads_gb:>8.2f}{p.optimizer_gb:>8.2f}{p.kv_pool_gb:>9.2f}"
-                f"{p.activations_gb:>8.2f}{p.total_gb:>10.2f}  {fits}")
+    w = sum(v for k, v in p.resident.items() if k not in ("AdamW mu + nu", "KV pool"))
+    if p.error:
+      fits = "  ".join(f"{'--':>{len(str(g)) + 2}}" for g in device_gb)
+      rows.append(f"{(m['data'], m['fsdp'], m['tensor'])!s:<14}{ndev:>5}{w:>9.2f}"
+                  f"{p.optimizer_gb:>8.2f}{p.kv_pool_gb:>9.2f}{'n/a':>9}"
+                  f"{sum(p.decode_extra.values()):>9.2f}{'n/a':>9}  {fits}")
+      continue
+    fits = "  ".join(f"{'yes' if p.total_gb <= g * headroom else 'no':>{len(str(g)) + 2}}"
+                     for g in device_gb)
+    rows.append(f"{(m['data'], m['fsdp'], m['tensor'])!s:<14}{ndev:>5}{w:>9.2f}"
+                f"{p.optimizer_gb:>8.2f}{p.kv_pool_gb:>9.2f}{sum(p.update_extra.values()):>9.2f}"
+                f"{sum(p.decode_extra.values()):>9.2f}{p.total_gb:>9.2f}  {fits}")
   return "\n".join(rows)
-
-
