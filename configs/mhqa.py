@@ -205,7 +205,9 @@ def get_config(arg: str | None = None):
     c.rl.kl_coef = 0.001
     c.rl.remat = "dots"          # activations of a 4k-token row do not fit otherwise
     c.eval.every = 20
-    c.mesh = "data:-1,fsdp:1,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:1,tensor:4"
+    # fsdp:4 puts params, masters and moments on 4x fewer copies: `python launch/plan.py
+    # --config=configs/mhqa.py:qwen3_14b` (results/plan_qwen3.md) has 14B fitting v5p-64 only so.
+    c.mesh = "data:-1,fsdp:4,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:4,tensor:4"
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b or qwen3_14b")
   return c

@@ -68,7 +68,8 @@ def test_compare_smoke_and_resume(tmp_path):
           "--config=configs/mhqa.py:smoke", "--methods=trace_tree,grpo", "--seeds=1",
           "--regimes=default", "--budgets=tokens", f"--runs={tmp_path}/runs",
           f"--out={tmp_path}/out", *sets]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  from test_train_smoke import launch_env
+  env = launch_env()  # the launched runs' shared compilation cache
   p = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, timeout=900)
   assert p.returncode == 0, p.stdout[-4000:]
@@ -90,6 +91,17 @@ def test_compare_smoke_and_resume(tmp_path):
   assert again.returncode == 0, again.stdout[-3000:]
   assert "2 already finished" in again.stdout and "[compare] default/" not in again.stdout
   assert time.time() - t0 < 120
+  # A campaign done in pieces: a plan with a second seed summarizes what exists, trains nothing.
+  part = subprocess.run([*args, "--seeds=2", "--summarize_only", "--plots=false"], cwd=ROOT,
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        timeout=300)
+  assert part.returncode == 0, part.stdout[-3000:]
+  assert "[compare] default/" not in part.stdout
+  summary = json.load(open(tmp_path / "out" / "summary.json"))
+  assert {r["seed"] for r in summary["runs"]} == {0}
+  assert sorted(summary["missing_runs"]) == ["default/rollouts/grpo-seed1",
+                                             "default/tokens/trace_tree-seed1"]
+  assert "Planned but not run yet (2)" in open(tmp_path / "out" / "summary.md").read()
 
 
 def test_plan_is_seed_major():

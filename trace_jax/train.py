@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -431,7 +430,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   if seqs:
     dp = run.mesh.shape["data"] * run.mesh.shape["fsdp"]
     batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
-                              num_rows=_bucket(c.rl.train_rows, math.lcm(c.rl.micro_batches, dp)))
+                              num_rows=_bucket(c.rl.train_rows, c.rl.micro_batches * dp))
     if run.mesh.size > 1:
       batch = shard_batch(batch, run.mesh)
     if run.ref_params is not None:
