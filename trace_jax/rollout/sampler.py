@@ -2,13 +2,19 @@
 
 A fixed number of decode slots each hold one active branch (a rollout in progress). Every host
 iteration: free slots are refilled from pending branches (new prompts or forks), queued prefills
-(prompts, observations) run in fixed chunk buckets, then one jitted decode step advances every busy
-slot by one token. A turn ends on a stop string, EOS or a length limit; the environment callback
-runs, batched over the slots whose turns ended, and its observation is prefilled into the slot's
-pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
+(prompts, observations) run in fixed chunk buckets, then one jitted decode call advances every busy
+slot by up to `decode_steps` tokens (a device loop; a slot stops on the device at EOS, at the token
+ids of a stop string or at its turn or length limit, so the host acts once per turn end or per
+`decode_steps` tokens). A turn ends on a stop string, EOS or a length limit; the environment
+callback runs, batched over the slots whose turns ended, and its observation is prefilled into the
+slot's pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
 tree attention kernel reads them once for all siblings); each copies only the anchor's last partial
 page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer can fork new
 branches from any anchor of a finished stage-1 tree.
+
+On a mesh (`mesh=`), the pool's pages split into one contiguous range per data shard, each with
+its own allocator range, block of slots and trees; KV heads split over `tensor`; everything that
+indexes the pool runs per shard under `shard_map`, so no step gathers the pool.
 
 Shapes are static (slots, pool, prefill and page-table buckets), so after warm-up no step compiles.
 Token convention: the last token of a branch is *pending* (its K/V not yet written); the next
