@@ -16,6 +16,8 @@ Writes results/sampler_cpu.json and results/sampler_cpu.png.
    workload: prompts of 60 tokens, 8 rollouts each, 3 turns with 40-token turns and observations).
 
 Usage: python launch/bench_sampler.py [--quick] [--out results/sampler_cpu]
+       python launch/bench_sampler.py --throughput [--decode-steps K] [--reps N]
+         (section 3 alone, stop tags on; with PYTHONPATH on another checkout, its engine)
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def _done_env(calls):
   return [(None, True, 0.0)] * len(calls)
 
 
+def _one_step():
+  """One decode step per device call (the sharing case times single steps); {} for an engine
+  from before multi-step calls."""
+  return {"decode_steps": 1} if "decode_steps" in SamplerConfig.__dataclass_fields__ else {}
+
+
 def _timed_decode(engine):
   """Wraps the engine's decode step to record the wall time of each step."""
   times, step = [], engine._decode
@@ -76,7 +84,7 @@ def sharing_case(graphdef, state, prefix: int, branches: int, gen: int, reps: in
                       num_pages=branches * (prefix_pages + 4) + prefix_pages + 8,
                       max_seq_len=prefix + gen + 2 * ps, max_turn_tokens=gen, max_turns=1,
                       prefill_chunk=(256,), prefill_batch=1, max_group_size=branches,
-                      max_groups=1, page_buckets=(2, 16), leaf_features=False)
+                      max_groups=1, page_buckets=(2, 16), leaf_features=False, **_one_step())
   engine = SamplerEngine(graphdef, state, dataclasses.replace(cfg, max_turn_tokens=1),
                          TOK.encode, TOK.decode, _done_env, eos_id=None, stop_strings=())
   times = _timed_decode(engine)
@@ -166,6 +174,36 @@ def engine_throughput(graphdef, state, quick: bool):
   return res
 
 
+def throughput_only(decode_steps: int | None, reps: int, prompts: int = 8):
+  """Generated tokens/s of the engine alone (tiny model, 32 slots, trainer-like turns, tree
+  attention), `prompts` prompts of 8 rollouts per run: one warm-up run, then `reps` timed runs.
+  decode_steps None: the engine's default
+  (or an engine from before multi-step calls, run from another checkout)."""
+  graphdef, state = nnx.split(Qwen3(MODELS["tiny"], rngs=nnx.Rngs(0)))
+  kw = {} if decode_steps is None else {"decode_steps": decode_steps}
+  # One page-table bucket and one chunk size: few compilations, so a loaded machine measures
+  # the steady state quickly.
+  cfg = SamplerConfig(num_slots=32, page_size=16, num_pages=4096, max_seq_len=256,
+                      max_turn_tokens=32, max_obs_tokens=32, max_turns=4, page_buckets=(16,),
+                      prefill_chunk=(64,), prefill_batch=8, **kw)
+  stops = {5: "</search>", 6: "</answer>"}
+  tok = IdTokenizer(stops)
+  engine = SamplerEngine(graphdef, state, cfg, tok.encode, tok.decode,
+                         ScriptedEnv(VOCAB, max_depth=3, obs_growth=8), eos_id=1)
+  rng = np.random.default_rng(0)
+  runs = []
+  for i in range(reps + 1):
+    reqs = [PromptRequest(list(rng.integers(8, VOCAB, 60)), n=8) for _ in range(prompts)]
+    g0, t0 = engine.ledger.generated_tokens, time.perf_counter()
+    engine.run(reqs)
+    if i:  # the first run compiles
+      runs.append((engine.ledger.generated_tokens - g0) / (time.perf_counter() - t0))
+    engine.release()
+  return {"decode_steps": getattr(cfg, "decode_steps", 1), "generated_tok_s": runs,
+          "generated_tokens": engine.ledger.generated_tokens,
+          "slot_utilization": engine.ledger.busy_slot_steps / engine.ledger.total_slot_steps}
+
+
 def plot(result, series, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -214,7 +252,16 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="a small grid, for a smoke run")
   ap.add_argument("--out", default="results/sampler_cpu")
+  ap.add_argument("--throughput", action="store_true",
+                  help="only the engine's generated tokens/s (one JSON line); runs against any "
+                       "checkout on PYTHONPATH, for before/after comparisons")
+  ap.add_argument("--decode-steps", type=int, default=None)
+  ap.add_argument("--reps", type=int, default=2)
+  ap.add_argument("--prompts", type=int, default=8, help="--throughput: prompts per run")
   args = ap.parse_args()
+  if args.throughput:
+    print(json.dumps(throughput_only(args.decode_steps, args.reps, args.prompts)), flush=True)
+    return
   t_start = time.perf_counter()
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   grids = {  # The larger model runs fewer points, for time (its 4k prefill alone takes ~10 s)

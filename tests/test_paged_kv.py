@@ -12,7 +12,7 @@ from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, copy_
                                         gather_sequences, init_pool, paged_prefill_attention,
                                         pool_bytes, write_tokens)
 from trace_jax.rollout.slot_tables import (SlotView, page_buckets, pick_bucket, plain_tables,
-                                           tree_tables)
+                                           sharded_tables, tree_tables)
 
 
 def test_allocator_refcounts():
@@ -34,6 +34,38 @@ def test_allocator_refcounts():
     a.alloc(1)
   with pytest.raises(ValueError):
     PageAllocator(1)
+
+
+def test_allocator_shards_keep_their_page_ranges():
+  a = PageAllocator(12, shards=3)  # ranges [0, 4), [4, 8), [8, 12); null pages 0, 4, 8
+  assert a.capacity == 9 and [a.null_page(s) for s in range(3)] == [0, 4, 8]
+  p1, p2 = a.alloc(3, 1), a.alloc(2, 2)
+  assert sorted(p1) == [5, 6, 7] and sorted(p2) == [9, 10]
+  assert a.num_free_in(1) == 0 and a.num_free == 4 and {a.shard_of(p) for p in p1} == {1}
+  with pytest.raises(PoolExhaustedError, match="0 of 3 of shard 1 free"):
+    a.alloc(1, 1)
+  a.decref(p1[:1])
+  assert a.alloc(1, 1) == p1[:1]  # freed pages return to their own shard
+  with pytest.raises(ValueError, match="does not split"):
+    PageAllocator(10, shards=3)
+
+
+def test_sharded_tables_pad_with_each_shards_null_page():
+  # 2 shards of 10 pages, 2 slots each. Shard 0: one lone slot; shard 1: two forked siblings.
+  views = [SlotView([1, 2, 3], 10), None,
+           SlotView([11, 12, 14], 11, "a", 2), SlotView([11, 12, 15, 16], 14, "a", 2)]
+  t = sharded_tables(views, 2, 10, 4, 1, 2, (2, 4, 8))
+  np.testing.assert_array_equal(t["group_slots"], [[-1, -1], [2, 3]])  # global slot ids
+  np.testing.assert_array_equal(t["group_pages"], [[0, 0], [11, 12]])
+  np.testing.assert_array_equal(t["group_lens"], [0, 8])
+  # Widths: the widest bucket any shard needs; padding points at the row's own null page.
+  np.testing.assert_array_equal(t["suffix_pages"], [[1, 2, 3, 0], [0, 0, 0, 0],
+                                                    [14, 10, 10, 10], [15, 16, 10, 10]])
+  np.testing.assert_array_equal(t["suffix_lens"], [10, 0, 3, 6])
+  p = sharded_tables(views, 2, 10, 4, 1, 2, (2, 4, 8), tree=False)
+  assert not p["group_lens"].any() and (p["group_slots"] == -1).all()
+  np.testing.assert_array_equal(p["suffix_pages"][2:], [[11, 12, 14, 10], [11, 12, 15, 16]])
+  np.testing.assert_array_equal(p["suffix_lens"], [10, 0, 11, 14])
 
 
 def test_pool_write_copy_gather():

@@ -229,3 +229,45 @@ def test_observation_cut_by_room_keeps_closing_tag():
   assert len(cut) == 6 and cut[-len(close):] == close and cut[:5] == enc(text)[:5]
   assert fit(fake, "plain words only here", 2) == enc("plain words")  # no tag: plain prefix
   assert fit(fake, text, 0) == []
+
+
+def test_multi_step_decode_equals_one_step_per_call(model):
+  # Several decode steps per device call (stops, EOS and limits on the device) give the trees of
+  # one step per call, greedy and sampled, in far fewer device calls. (Sampled forks are left out:
+  # node ids follow the turn-end order, so forks listed by anchor id draw other branch keys.)
+  for greedy in (True, False):
+    run = two_stage if greedy else (lambda e: e.run([PromptRequest(p, n=3) for p in PROMPTS]))
+    one = run(make_engine(model, decode_steps=1, greedy=greedy, seed=2))
+    engine = make_engine(model, decode_steps=8, greedy=greedy, seed=2)
+    calls = []
+    step = engine._decode
+    engine._decode = lambda *a: calls.append(1) or step(*a)
+    many = run(engine)
+    assert leaf_sequences(many) == leaf_sequences(one)
+
+    def lps(trees):  # path log-probs in leaf order (node ids follow the scheduling order)
+      paths = sorted((tuple(t.path_tokens(x.id)[0]), list(t.path_tokens(x.id)[3]))
+                     for t in trees for x in t.leaves())
+      return np.concatenate([p[1] for p in paths])
+    np.testing.assert_allclose(lps(many), lps(one), atol=1e-4)  # co-batched slots differ
+    assert engine.ledger.decode_steps < engine.ledger.generated_tokens
+    assert 3 * len(calls) < engine.ledger.generated_tokens
+  # A tokenizer whose stop tags have no token ids: the device runs past the tags, the host's text
+  # check ends the turn at the same token and drops the rest (lengths, rng counters, pages).
+  def encode(text):
+    if "<" in text:
+      raise KeyError(text)
+    return TOK.encode(text)
+
+  cfg = dict(num_slots=4, page_size=4, num_pages=512, max_seq_len=96, max_turn_tokens=7,
+             max_obs_tokens=12, max_turns=4, prefill_chunk=(16,), page_buckets=(24,),
+             greedy=True, max_group_size=2, max_groups=2, decode_steps=8)
+  host_only = SamplerEngine(model[0], model[1], SamplerConfig(**cfg), encode, TOK.decode,
+                            ScriptedEnv(V), eos_id=EOS)
+  assert host_only.stop_width == 1  # no stop sequences on the device
+  trees = two_stage(host_only)
+  assert leaf_sequences(trees) == leaf_sequences(two_stage(make_engine(model, decode_steps=1)))
+  assert any(n.gen_ids[-1] in (SEARCH, ANSWER) and len(n.gen_ids) < 7
+             for t in trees for n in t.nodes[1:])
+  host_only.release()
+  assert host_only.alloc.num_free == host_only.alloc.capacity

@@ -10,11 +10,14 @@ there, and padded page-table entries point there, so no masked write can land in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 NULL_PAGE = 0
 
@@ -28,32 +31,54 @@ class PageAllocator:
 
   `alloc(n)` hands out n pages with count 1; `incref`/`decref` adjust counts and a page returns to
   the free list when its count reaches 0. Page 0 (the null page) is never handed out.
+
+  With `shards` > 1 the ids split into `shards` contiguous ranges of `num_pages // shards` pages,
+  one per data shard of a mesh, each with its own free list and its own null page (the first id
+  of its range): `alloc(n, shard)` draws from that range only, so the pages of a tree stay on the
+  device block that holds its slots.
   """
 
-  def __init__(self, num_pages: int):
-    if num_pages < 2:
-      raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
-    self.num_pages = num_pages
+  def __init__(self, num_pages: int, shards: int = 1):
+    if shards < 1 or num_pages % shards:
+      raise ValueError(f"num_pages {num_pages} does not split into {shards} shards")
+    if num_pages // shards < 2:
+      raise ValueError(f"num_pages must be >= 2 per shard (the first is reserved), got "
+                       f"{num_pages} for {shards} shards")
+    self.num_pages, self.shards = num_pages, shards
+    self.pages_per_shard = num_pages // shards
     self.refcount = np.zeros(num_pages, np.int32)
     # Pop from the end: low page ids first keeps small runs compact, which is nice when debugging.
-    self._free = list(range(num_pages - 1, 0, -1))
+    n = self.pages_per_shard
+    self._free = [list(range((s + 1) * n - 1, s * n, -1)) for s in range(shards)]
+
+  def null_page(self, shard: int = 0) -> int:
+    return shard * self.pages_per_shard
+
+  def shard_of(self, page: int) -> int:
+    return int(page) // self.pages_per_shard
 
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    return sum(len(f) for f in self._free)
+
+  def num_free_in(self, shard: int) -> int:
+    return len(self._free[shard])
 
   @property
   def capacity(self) -> int:
-    return self.num_pages - 1
+    return self.num_pages - self.shards
 
-  def alloc(self, n: int) -> list[int]:
+  def alloc(self, n: int, shard: int = 0) -> list[int]:
     if n < 0:
       raise ValueError(f"alloc({n})")
-    if n > len(self._free):
+    free = self._free[shard]
+    if n > len(free):
+      where = f" of shard {shard}" if self.shards > 1 else ""
       raise PoolExhaustedError(
-          f"KV pool exhausted: need {n} pages, {len(self._free)} of {self.capacity} free; raise "
-          f"SamplerConfig.num_pages, lower num_slots/max_seq_len, or release finished trees")
-    pages = [self._free.pop() for _ in range(n)]
+          f"KV pool exhausted: need {n} pages, {len(free)} of "
+          f"{self.pages_per_shard - 1}{where} free; raise SamplerConfig.num_pages, lower "
+          f"num_slots/max_seq_len, or release finished trees")
+    pages = [free.pop() for _ in range(n)]
     self.refcount[pages] = 1
     return pages
 
@@ -69,15 +94,71 @@ class PageAllocator:
         raise ValueError(f"decref of free page {p} (double free)")
       self.refcount[p] -= 1
       if self.refcount[p] == 0:
-        self._free.append(p)
+        self._free[p // self.pages_per_shard].append(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """Where the KV pool and the per-slot arrays live on a mesh.
+
+  Pages (and slots, page-table rows, prefill rows) split over `data_axes` into one contiguous
+  block per data shard; KV heads split over `head_axis` (None: the axis does not divide the KV
+  heads, which stay replicated, as the sharding rules do). Page and slot ids stay global on the
+  host; device code that touches the pool runs under `shard_map` and subtracts its shard's offset.
+  """
+
+  mesh: Mesh
+  data_axes: tuple = ("data", "fsdp")
+  head_axis: str | None = "tensor"
+
+  @staticmethod
+  def for_mesh(mesh: Mesh, num_kv_heads: int) -> "PoolLayout":
+    """Rows over every mesh axis but `tensor`, KV heads over `tensor` when it divides them."""
+    data = tuple(a for a in mesh.axis_names if a != "tensor")
+    head = "tensor" if "tensor" in mesh.axis_names else None
+    if head is not None and num_kv_heads % mesh.shape[head]:
+      head = None
+    return PoolLayout(mesh, data, head)
+
+  @property
+  def shards(self) -> int:
+    n = 1
+    for a in self.data_axes:
+      n *= self.mesh.shape[a]
+    return n
+
+  @property
+  def rows(self):
+    return self.data_axes or None
+
+  @property
+  def pool_spec(self) -> P:
+    return P(self.rows, None, self.head_axis, None)
+
+  @property
+  def pool_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, self.pool_spec)
+
+  @property
+  def row_sharding(self) -> NamedSharding:
+    """Leading axis over the data shards (slots, groups, prefill rows), the rest replicated."""
+    return NamedSharding(self.mesh, P(self.rows))
+
+  def shard_index(self):
+    """This shard's index along the data axes (inside `shard_map`)."""
+    return lax.axis_index(self.data_axes) if self.data_axes else 0
 
 
 def init_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-              dtype=jnp.float32) -> dict:
-  """Device pool {"k": [L x [P, ps, Hkv, hd]], "v": same}, zero-filled."""
+              dtype=jnp.float32, layout: PoolLayout | None = None) -> dict:
+  """Device pool {"k": [L x [P, ps, Hkv, hd]], "v": same}, zero-filled; laid out by `layout`
+  (pages over its data shards, KV heads over its head axis) when given."""
   shape = (num_pages, page_size, num_kv_heads, head_dim)
-  return {"k": [jnp.zeros(shape, dtype) for _ in range(num_layers)],
-          "v": [jnp.zeros(shape, dtype) for _ in range(num_layers)]}
+  if layout is None:
+    make = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+  else:
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=layout.pool_sharding)
+  return {"k": [make() for _ in range(num_layers)], "v": [make() for _ in range(num_layers)]}
 
 
 def pool_bytes(pool: dict) -> int:
@@ -101,6 +182,33 @@ def write_tokens(pages: jax.Array, k_new: jax.Array, page_idx: jax.Array,
   pages: [P, ps, Hkv, hd]; k_new: [N, Hkv, hd]; page_idx, offset: i32[N] (padding -> NULL_PAGE).
   """
   return pages.at[page_idx, offset].set(k_new.astype(pages.dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def make_copy_pages(layout: PoolLayout | None):
+  """`copy_pages` for a pool laid out by `layout` (None: the single-device `copy_pages`).
+
+  src, dst: i32[shards * n], global page ids, block s holding shard s's copies (pad with that
+  shard's null page). Each shard copies within its own page range, nothing crosses devices.
+  """
+  if layout is None:
+    return copy_pages
+  def local(pool, src, dst):
+    n = jax.tree.leaves(pool)[0].shape[0]
+    off = layout.shard_index() * n
+    return jax.tree.map(lambda a: a.at[dst - off].set(a[src - off]), pool)
+
+  def copy(pool, src, dst):
+    spec = layout.pool_spec
+    pool_specs = jax.tree.map(lambda _: spec, pool)
+    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(pool_specs, P(layout.rows),
+                                                          P(layout.rows)),
+                       out_specs=pool_specs, check_vma=False)
+    return fn(pool, src, dst)
+
+  return jax.jit(copy, donate_argnums=(0,),
+                 in_shardings=(layout.pool_sharding, layout.row_sharding, layout.row_sharding),
+                 out_shardings=layout.pool_sharding)
 
 
 def gather_sequences(pages: jax.Array, table: jax.Array) -> jax.Array:
@@ -135,5 +243,6 @@ def paged_prefill_attention(q, k_pages, v_pages, table, start, num_new):
   return dense_attention(q, k, v, mask)
 
 
-__all__ = ["NULL_PAGE", "PageAllocator", "PoolExhaustedError", "copy_pages", "gather_sequences",
-           "init_pool", "paged_prefill_attention", "pool_bytes", "write_tokens"]
+__all__ = ["NULL_PAGE", "PageAllocator", "PoolExhaustedError", "PoolLayout", "copy_pages",
+           "gather_sequences", "init_pool", "make_copy_pages", "paged_prefill_attention",
+           "pool_bytes", "write_tokens"]

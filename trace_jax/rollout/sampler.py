@@ -2,13 +2,19 @@
 
 A fixed number of decode slots each hold one active branch (a rollout in progress). Every host
 iteration: free slots are refilled from pending branches (new prompts or forks), queued prefills
-(prompts, observations) run in fixed chunk buckets, then one jitted decode step advances every busy
-slot by one token. A turn ends on a stop string, EOS or a length limit; the environment callback
-runs, batched over the slots whose turns ended, and its observation is prefilled into the slot's
-pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
+(prompts, observations) run in fixed chunk buckets, then one jitted decode call advances every busy
+slot by up to `decode_steps` tokens (a device loop; a slot stops on the device at EOS, at the token
+ids of a stop string or at its turn or length limit, so the host acts once per turn end or per
+`decode_steps` tokens). A turn ends on a stop string, EOS or a length limit; the environment
+callback runs, batched over the slots whose turns ended, and its observation is prefilled into the
+slot's pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
 tree attention kernel reads them once for all siblings); each copies only the anchor's last partial
 page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer can fork new
 branches from any anchor of a finished stage-1 tree.
+
+On a mesh (`mesh=`), the pool's pages split into one contiguous range per data shard, each with
+its own allocator range, block of slots and trees; KV heads split over `tensor`; everything that
+indexes the pool runs per shard under `shard_map`, so no step gathers the pool.
 
 Shapes are static (slots, pool, prefill and page-table buckets), so after warm-up no step compiles.
 Token convention: the last token of a branch is *pending* (its K/V not yet written); the next
@@ -26,9 +32,10 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.envs import react
+from trace_jax.parallel.sharding import DEFAULT_RULES, state_shardings, variable_value
 from trace_jax.rollout import engine_ops, slot_tables
-from trace_jax.rollout.paged_kv import (NULL_PAGE, PageAllocator, PoolExhaustedError, copy_pages,
-                                        init_pool)
+from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, PoolLayout,
+                                        init_pool, make_copy_pages)
 from trace_jax.rollout.sampler_config import (DEFAULT_STOP_STRINGS, EnvStep, ForkRequest, Ledger,
                                               PromptRequest, SamplerConfig, TurnRef)
 from trace_jax.rollout.tree import Node, Tree
@@ -55,6 +62,8 @@ class _Branch:
     self.node: Node | None = None
     self.serial = 0                      # rollout index within its tree (Node.rollout)
     self.turn_limit = 0
+    self.shard = 0                       # data shard holding the branch's pages and slot
+    self.budget = 0                      # decode steps of the next device call
 
 
 class SamplerEngine:
@@ -67,7 +76,15 @@ class SamplerEngine:
     env_step: [(TurnRef, generated_text)] -> [(observation_text | None, done, reward)], called
       batched over the slots whose turn ended.
     eos_id: end-of-sequence token id, or None.
-    stop_strings: turn-ending strings (default `</search>`, `</answer>`).
+    stop_strings: turn-ending strings (default `</search>`, `</answer>`). Their token ids
+      (`encode`) also stop a slot on the device, inside a multi-step call; the host's text check
+      stays the rule (a stop the ids missed ends the turn at the same token).
+    mesh: a `jax.sharding.Mesh` with axes among (data, fsdp, tensor), or None (one device). On a
+      mesh the KV pool's pages split into one contiguous range per data shard (every axis but
+      `tensor`), each with its own allocator range, its own block of slots and its own trees;
+      KV heads split over `tensor`; the sampling weights are laid out tensor-parallel and
+      replicated over the data shards at every `update_params`. Needs num_slots and num_pages
+      divisible by the number of data shards.
 
   `run` returns one `Tree` per request (`trace_jax.rollout.tree`: nodes with generated ids,
   log-probs, observation ids, prefix features f32[D] and leaf rewards); `engine.ledger` counts
@@ -86,7 +103,7 @@ class SamplerEngine:
 
   def __init__(self, model_graphdef, params_state, cfg: SamplerConfig, encode, decode,
                env_step: EnvStep, eos_id: int | None, stop_strings=DEFAULT_STOP_STRINGS,
-               kv_dtype=None, turn_limit_fn=None):
+               kv_dtype=None, turn_limit_fn=None, mesh=None):
     self.cfg, self.graphdef, self.state = cfg, model_graphdef, params_state
     self.encode, self.decode, self.env_step = encode, decode, env_step
     self.eos_id, self.stop_strings = eos_id, tuple(stop_strings)
@@ -95,15 +112,37 @@ class SamplerEngine:
     self.turn_limit_fn = turn_limit_fn
     mcfg = nnx.merge(model_graphdef, params_state).cfg
     self.model_cfg = mcfg
-    self.alloc = PageAllocator(cfg.num_pages)
+    self.mesh = mesh
+    self.layout = (PoolLayout.for_mesh(mesh, mcfg.num_kv_heads)
+                   if mesh is not None and mesh.size > 1 else None)
+    self.shards = self.layout.shards if self.layout is not None else 1
+    if cfg.num_slots % self.shards or cfg.num_pages % self.shards:
+      raise ValueError(f"num_slots {cfg.num_slots} and num_pages {cfg.num_pages} must split over "
+                       f"{self.shards} data shards")
+    if cfg.decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {cfg.decode_steps}")
+    self.alloc = PageAllocator(cfg.num_pages, self.shards)
     self.pool = init_pool(mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads,
-                          mcfg.head_dim, kv_dtype or mcfg.dtype)
+                          mcfg.head_dim, kv_dtype or mcfg.dtype, layout=self.layout)
     self.buckets = slot_tables.page_buckets(cfg.max_pages_per_seq, cfg.page_buckets)
     self.chunks = tuple(sorted(cfg.prefill_chunk))
+    self.groups_per_shard = -(-cfg.num_groups // self.shards)
+    self.prefill_rows = -(-cfg.prefill_batch // self.shards)  # prefill rows per shard
+    self._param_shardings = None
+    self.state = self._place(params_state)
+    stop_seqs = []
+    for x in self.stop_strings:
+      try:
+        stop_seqs.append(tuple(int(t) for t in encode(x)))
+      except Exception:  # noqa: BLE001  (a tokenizer that cannot encode a tag: host check only)
+        pass
+    self.stop_width = engine_ops.stop_sequence_table(stop_seqs).shape[1]
     # Static filter switches: no vocabulary sort unless top-p/top-k is on (see sample_tokens).
-    self._decode = engine_ops.make_decode_step(model_graphdef, cfg.attention_impl,
-                                               max(cfg.top_k, 0), cfg.top_p < 1.0)
-    self._prefill = engine_ops.make_prefill_step(model_graphdef)
+    self._decode = engine_ops.make_decode_step(
+        model_graphdef, cfg.attention_impl, max(cfg.top_k, 0), cfg.top_p < 1.0, self.layout,
+        cfg.decode_steps, tuple(stop_seqs), eos_id)
+    self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout)
+    self._copy = make_copy_pages(self.layout)
     self._features = engine_ops.make_feature_step(model_graphdef)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
@@ -114,10 +153,35 @@ class SamplerEngine:
     self._jobs: list = []
     self._pending: dict[int, collections.deque] = {}
     self.slot_worker = np.zeros(cfg.num_slots, np.int32)
+    self.slot_shard = (np.arange(cfg.num_slots) * self.shards // cfg.num_slots).astype(np.int32)
 
   # ---- public API --------------------------------------------------------------------------------
   def update_params(self, params_state) -> None:
-    self.state = params_state
+    self.state = self._place(params_state)
+
+  set_params = update_params
+
+  def _place(self, state):
+    """On a mesh: the sampling layout of the weights, tensor-parallel (the logical rules with
+    `embed` unsplit) and replicated over the data shards; done once per weight update, so decode
+    never gathers weights. Without a mesh: as given."""
+    if self.layout is None:
+      return state
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    leaves = jax.tree.leaves(state, is_leaf=is_var)
+    if any(is_var(x) for x in leaves):
+      rules = tuple((k, None if k == "embed" else (self.layout.data_axes if k == "batch" else v))
+                    for k, v in DEFAULT_RULES)
+      shardings = state_shardings(state, self.layout.mesh, rules)
+      self._param_shardings = jax.tree.leaves(shardings)
+      return jax.tree.map(lambda v, sh: v.replace(jax.device_put(variable_value(v), sh)), state,
+                          shardings, is_leaf=is_var)
+    # Plain arrays (no logical axes): the layout of the weights this engine was built with.
+    if self._param_shardings is None or len(self._param_shardings) != len(leaves):
+      raise ValueError("weights without logical axes need the engine's first weights' structure")
+    flat, tree = jax.tree.flatten(state)
+    return jax.tree.unflatten(tree, [jax.device_put(x, sh)
+                                     for x, sh in zip(flat, self._param_shardings)])
 
   def set_uid_base(self, uid: int) -> None:
     """Numbers the next trees from `uid`. Branch rng streams derive from (seed, tree uid, branch),
@@ -127,7 +191,7 @@ class SamplerEngine:
 
   def compile_counts(self) -> dict:
     """Compiled variants per jitted step (-1 where this jax version does not say)."""
-    fns = {"decode": self._decode, "prefill": self._prefill, "copy": copy_pages,
+    fns = {"decode": self._decode, "prefill": self._prefill, "copy": self._copy,
            "features": self._features}
     return {k: getattr(f, "_cache_size", lambda: -1)() for k, f in fns.items()}
 
@@ -190,7 +254,9 @@ class SamplerEngine:
 
     requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
     slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
-    are refilled only from its own trees (task affinity). sync_turns: every slot waits for the
+    are refilled only from its own trees (task affinity); on a mesh a tree also stays on one data
+    shard (its pages' range), a worker's slots on shard d take only its trees of shard d, and a
+    fork goes to the shard of its tree. sync_turns: every slot waits for the
     slowest turn before the next one, and new branches start only when all slots are empty (or,
     with sync_refill, at every turn barrier).
     """
@@ -198,7 +264,8 @@ class SamplerEngine:
     if not 1 <= num_workers <= s:
       raise ValueError(f"num_workers must be in [1, {s}], got {num_workers}")
     self.slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
-    self._pending = {w: collections.deque() for w in range(num_workers)}
+    self._pending = {(int(w), int(d)): collections.deque()
+                     for w, d in zip(self.slot_worker, self.slot_shard)}
     trees = self._admit(requests, num_workers)
     try:
       self._loop(sync_turns, num_workers, sync_refill)
@@ -212,7 +279,7 @@ class SamplerEngine:
 
   # ---- admission ---------------------------------------------------------------------------------
   def _admit(self, requests, num_workers) -> list[Tree]:
-    trees, load = [], np.zeros(num_workers)
+    trees, load = [], {c: 0 for c in self._pending}
     for req in requests:
       if isinstance(req, tuple):
         req = ForkRequest(*req)
@@ -238,10 +305,15 @@ class SamplerEngine:
         if tree.uid not in self.live_trees or (node_id not in tree._kv and node_id != 0):
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
                            f"released (fork before calling engine.release)")
-      if tree.worker < 0 or tree.worker >= num_workers:
-        tree.worker = int(np.argmin(load))
-      load[tree.worker] += count
-      self._pending[tree.worker].extend([(tree, node_id)] * count)
+      # (worker, shard) queues: a tree keeps its shard (its pages live there) and, when it can,
+      # its worker; otherwise the least loaded queue takes it.
+      shard = tree.__dict__.get("_shard")
+      cands = [c for c in load if shard is None or c[1] == shard]
+      prefer = [c for c in cands if c[0] == tree.worker]
+      pick = min(prefer or cands, key=lambda c: load[c])
+      tree.worker, tree._shard = pick
+      load[pick] += count
+      self._pending[pick].extend([(tree, node_id)] * count)
       if all(t is not tree for t in trees):
         trees.append(tree)
     return trees
@@ -270,7 +342,7 @@ class SamplerEngine:
   def _refill(self):
     starts = []
     for i, b in enumerate(self.slots):
-      q = self._pending[int(self.slot_worker[i])]
+      q = self._pending[(int(self.slot_worker[i]), int(self.slot_shard[i]))]
       if b is None and q:
         starts.append((i, *q.popleft()))
     if not starts:
@@ -279,12 +351,12 @@ class SamplerEngine:
     for _, tree, node_id in starts:  # the prompt's K/V must exist before it is forked
       if node_id == 0 and 0 not in tree._kv:
         n = len(tree.prompt_ids) - 1
-        pages = self.alloc.alloc(-(-n // cfg.page_size))
+        pages = self.alloc.alloc(-(-n // cfg.page_size), tree._shard)
         tree._page_refs.append(pages)
         tree._kv[0] = (pages, n)
         self._jobs.append([None, pages, 0, list(tree.prompt_ids[:-1])])
     self._flush_prefill()
-    src, dst = [], []
+    src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
     for slot, tree, node_id in starts:
       pages, kv_len = tree._kv[node_id]
       # Share the anchor's full pages (never written again); copy the partial last one. Without
@@ -292,9 +364,10 @@ class SamplerEngine:
       full = kv_len // cfg.page_size if cfg.share_prefix else 0
       used = -(-kv_len // cfg.page_size)
       shared = list(pages[:full])
-      own = self.alloc.alloc(used - full)  # may raise PoolExhaustedError (run() cleans up)
-      src += pages[full:used]
-      dst += own
+      shard = int(self.slot_shard[slot])
+      own = self.alloc.alloc(used - full, shard)  # may raise PoolExhaustedError (run() cleans up)
+      src[shard] += pages[full:used]
+      dst[shard] += own
       self.alloc.incref(shared)
       node = tree.nodes[node_id]
       serial = tree.__dict__.setdefault("_nbranches", 0)
@@ -302,32 +375,46 @@ class SamplerEngine:
       seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
       b = _Branch(tree, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
                   seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
-      b.serial = serial
+      b.serial, b.shard = serial, shard
       b.feature_for = node_id if node.feature is None else None
       b.turn_limit = self._turn_limit(b)
       self.slots[slot] = b
       self.starts.append((slot, tree.uid))
       self.ledger.rollouts_started += 1
-    for j in range(0, len(src), _COPY_BATCH):  # fixed batch: one compilation
-      s, d = src[j:j + _COPY_BATCH], dst[j:j + _COPY_BATCH]
-      pad = [NULL_PAGE] * (_COPY_BATCH - len(s))
-      self.pool = copy_pages(self.pool, np.asarray(s + pad, np.int32),
-                             np.asarray(d + pad, np.int32))
+    for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
+      s_ids, d_ids = [], []
+      for shard in range(self.shards):  # block per shard, padded with the shard's null page
+        s, d = src[shard][j:j + _COPY_BATCH], dst[shard][j:j + _COPY_BATCH]
+        pad = [self.alloc.null_page(shard)] * (_COPY_BATCH - len(s))
+        s_ids += s + pad
+        d_ids += d + pad
+      self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))
 
   def _flush_prefill(self):
-    """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets."""
+    """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets; on a
+    mesh each call holds a block of `prefill_rows` rows per data shard, each shard's own jobs."""
     cfg, jobs = self.cfg, [j for j in self._jobs if j[3]]
     self._jobs = []
+    n, d_count = self.prefill_rows, self.shards
     while jobs:
-      rows = jobs[:cfg.prefill_batch]
-      take = [min(len(j[3]), self.chunks[-1]) for j in rows]
-      c = slot_tables.pick_bucket(max(take), self.chunks)
+      by_shard = [[] for _ in range(d_count)]
+      for j in jobs:
+        q = by_shard[self.alloc.shard_of(j[1][0])]
+        if len(q) < n:
+          q.append(j)
+      picked = [(d, r, j) for d in range(d_count) for r, j in enumerate(by_shard[d])]
+      take = {id(j): min(len(j[3]), self.chunks[-1]) for _, _, j in picked}
+      c = slot_tables.pick_bucket(max(take.values()), self.chunks)
       width = slot_tables.pick_bucket(
-          max(-(-(j[2] + t) // cfg.page_size) for j, t in zip(rows, take)), self.buckets)
-      n = cfg.prefill_batch
-      batch = {"tokens": np.zeros((n, c), np.int32), "table": np.zeros((n, width), np.int32),
-               "start": np.zeros(n, np.int32), "num_new": np.zeros(n, np.int32)}
-      for r, (j, t) in enumerate(zip(rows, take)):
+          max(-(-(j[2] + take[id(j)]) // cfg.page_size) for _, _, j in picked), self.buckets)
+      rows = n * d_count
+      table = np.zeros((rows, width), np.int32)
+      for d in range(d_count):
+        table[d * n:(d + 1) * n] = self.alloc.null_page(d)
+      batch = {"tokens": np.zeros((rows, c), np.int32), "table": table,
+               "start": np.zeros(rows, np.int32), "num_new": np.zeros(rows, np.int32)}
+      for d, r, j in picked:
+        t, r = take[id(j)], d * n + r
         batch["tokens"][r, :t] = j[3][:t]
         batch["table"][r, :min(len(j[1]), width)] = j[1][:width]
         batch["start"][r], batch["num_new"][r] = j[2], t
@@ -337,14 +424,23 @@ class SamplerEngine:
       self.pool = self._prefill(self.state, self.pool, batch)
       jobs = [j for j in jobs if j[3]]
 
+  def _budget(self, b: _Branch) -> int:
+    """Decode steps of the next call: up to decode_steps, never past the turn or sequence limit."""
+    if b.final:
+      return 1
+    return max(1, min(self.cfg.decode_steps, b.turn_limit - len(b.turn_ids),
+                      self.cfg.max_seq_len - 1 - b.kv_len))
+
   def _ensure_pages(self, decoding):
-    """Gives each decoding slot a page for its next write; a slot the pool cannot serve is cut."""
-    ok, cut = [], []
+    """Gives each decoding slot a page for its next write (a slot the pool cannot serve is cut),
+    then pages for the rest of its step budget as far as the pool allows (the budget shrinks to
+    the pages it got)."""
+    ok, cut, ps = [], [], self.cfg.page_size
     for i in decoding:
       b = self.slots[i]
-      if b.kv_len // self.cfg.page_size >= len(b.pages):
+      if b.kv_len // ps >= len(b.pages):
         try:
-          b.pages.extend(self.alloc.alloc(1))
+          b.pages.extend(self.alloc.alloc(1, b.shard))
         except PoolExhaustedError:
           if b.final:  # the leaf is complete; only its feature is lost
             self._retire(i)
@@ -353,15 +449,27 @@ class SamplerEngine:
           cut.append(i)
           continue
       ok.append(i)
+    for i in ok:
+      b = self.slots[i]
+      b.budget = self._budget(b)
+      more = (b.kv_len + b.budget - 1) // ps + 1 - len(b.pages)
+      if more > 0:
+        b.pages.extend(self.alloc.alloc(min(more, self.alloc.num_free_in(b.shard)), b.shard))
+        b.budget = min(b.budget, len(b.pages) * ps - b.kv_len)
     if cut:
       self._end_turns(cut)
     return ok
 
   def _step(self, decoding, num_workers, sync_turns):
-    cfg, s = self.cfg, self.cfg.num_slots
+    cfg, s, ps = self.cfg, self.cfg.num_slots, self.cfg.page_size
+    k_steps, width = cfg.decode_steps, self.stop_width
     views: list = [None] * s
-    batch = {k: np.zeros(s, np.int32) for k in ("tokens", "positions", "write_page", "write_off",
-                                                 "counters", "top_k")}
+    batch = {k: np.zeros(s, np.int32) for k in ("tokens", "positions", "budget", "counters",
+                                                 "top_k")}
+    null = np.asarray([self.alloc.null_page(int(d)) for d in self.slot_shard], np.int32)
+    batch["null"] = null
+    batch["write_pages"] = np.repeat(null[:, None], (ps + k_steps - 2) // ps + 1, axis=1)
+    batch["window"] = np.full((s, width), -2, np.int32)
     batch["keys"] = np.zeros((s, 2), np.uint32)
     batch["temperature"] = np.full(s, cfg.temperature, np.float32)
     batch["top_p"] = np.full(s, cfg.top_p, np.float32)
@@ -370,50 +478,72 @@ class SamplerEngine:
     for i in decoding:
       b = self.slots[i]
       batch["tokens"][i], batch["positions"][i] = b.pending, b.kv_len
-      batch["write_page"][i] = b.pages[b.kv_len // cfg.page_size]
-      batch["write_off"][i] = b.kv_len % cfg.page_size
+      own = b.pages[b.kv_len // ps:(b.kv_len + b.budget - 1) // ps + 1]
+      batch["write_pages"][i, :len(own)] = own
+      batch["budget"][i] = b.budget
+      recent = b.turn_ids[-width:]
+      if recent:
+        batch["window"][i, width - len(recent):] = recent
       batch["keys"][i], batch["counters"][i] = b.key, b.counter
       views[i] = slot_tables.SlotView(b.pages, b.kv_len + 1, b.group_key, b.shared_pages)
-    if cfg.use_tree_attention:
-      batch.update(slot_tables.tree_tables(views, cfg.page_size, cfg.num_groups, cfg.group_size,
+    if self.layout is not None:
+      batch.update(slot_tables.sharded_tables(
+          views, self.shards, self.alloc.pages_per_shard, ps, self.groups_per_shard,
+          cfg.group_size, self.buckets, tree=cfg.use_tree_attention))
+    elif cfg.use_tree_attention:
+      batch.update(slot_tables.tree_tables(views, ps, cfg.num_groups, cfg.group_size,
                                            self.buckets))
     else:
       batch.update(slot_tables.plain_tables(views, self.buckets))
     self.pool, out = self._decode(self.state, self.pool, batch)
     out = jax.device_get(out)
-    busy = np.zeros(num_workers, np.int32)
-    np.add.at(busy, self.slot_worker[decoding], 1)
-    self.step_log.append(busy)
-    self.ledger.decode_steps += 1
-    self.ledger.busy_slot_steps += len(decoding)
-    self.ledger.total_slot_steps += s
+    counts = np.asarray(out["count"])
+    n_steps = int(counts[decoding].max())
+    for j in range(n_steps):
+      busy = np.zeros(num_workers, np.int32)
+      live = [i for i in decoding if counts[i] > j]
+      np.add.at(busy, self.slot_worker[live], 1)
+      self.step_log.append(busy)
+    self.ledger.decode_steps += n_steps
+    self.ledger.busy_slot_steps += int(counts[decoding].sum())
+    self.ledger.total_slot_steps += s * n_steps
     ended = []
     for i in decoding:
       b = self.slots[i]
       if b.feature_for is not None:
         b.tree.nodes[b.feature_for].feature = np.asarray(out["hidden"][i], np.float32)
         b.feature_for = None
-      b.kv_len += 1
       if b.final:
+        b.kv_len += 1
         self._retire(i)
         continue
-      tok = int(out["tokens"][i])
-      b.turn_ids.append(tok)
-      b.turn_lps.append(float(out["logprobs"][i]))
-      b.turn_ents.append(float(out["entropy"][i]))
-      b.counter += 1
-      b.pending = tok
-      self.ledger.generated_tokens += 1
-      if self.eos_id is not None and tok == self.eos_id:
-        b.end_reason = "stop"
-      elif self.stop_strings and any(x in self.decode(b.turn_ids[-16:]) for x in self.stop_strings):
-        b.end_reason = "stop"
-      elif len(b.turn_ids) >= b.turn_limit:
-        b.end_reason = "turn_limit"
-      elif b.kv_len + 1 >= cfg.max_seq_len:
-        b.end_reason = "max_seq_len"
-      if b.end_reason:
-        ended.append(i)
+      new = [int(t) for t in out["tokens"][i, :counts[i]]]
+      # One detokenize per slot and call: only a stop string somewhere in the new tokens' text
+      # makes the token-by-token check below look for it.
+      start = len(b.turn_ids)
+      text_stop = bool(self.stop_strings) and any(
+          x in self.decode((b.turn_ids + new)[max(0, start - 15):]) for x in self.stop_strings)
+      for j, tok in enumerate(new):
+        # Tokens past a turn end the device did not see are dropped: the branch's K/V, rng
+        # counter and length stay those of the turn's last token (later writes overwrite them).
+        b.kv_len += 1
+        b.turn_ids.append(tok)
+        b.turn_lps.append(float(out["logprobs"][i, j]))
+        b.turn_ents.append(float(out["entropy"][i, j]))
+        b.counter += 1
+        b.pending = tok
+        self.ledger.generated_tokens += 1
+        if self.eos_id is not None and tok == self.eos_id:
+          b.end_reason = "stop"
+        elif text_stop and any(x in self.decode(b.turn_ids[-16:]) for x in self.stop_strings):
+          b.end_reason = "stop"
+        elif len(b.turn_ids) >= b.turn_limit:
+          b.end_reason = "turn_limit"
+        elif b.kv_len + 1 >= cfg.max_seq_len:
+          b.end_reason = "max_seq_len"
+        if b.end_reason:
+          ended.append(i)
+          break
     if sync_turns:
       for i in ended:
         self.slots[i].waiting = True
@@ -468,7 +598,7 @@ class SamplerEngine:
       tokens = [b.pending] + obs[:-1]
       need = -(-(b.kv_len + len(tokens)) // cfg.page_size) - len(b.pages)
       try:
-        b.pages.extend(self.alloc.alloc(max(0, need)))
+        b.pages.extend(self.alloc.alloc(max(0, need), b.shard))
       except PoolExhaustedError:
         node.done, node.truncated, node.reward = True, "pool_exhausted", cfg.truncation_reward
         return
@@ -507,6 +637,10 @@ class SamplerEngine:
 
   def _retire(self, i):
     b = self.slots[i]
+    spare = b.pages[-(-b.kv_len // self.cfg.page_size):]  # pages taken ahead, never written
+    if spare:
+      del b.pages[len(b.pages) - len(spare):]
+      self.alloc.decref(spare)
     b.tree._page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
     self.slots[i] = None
 

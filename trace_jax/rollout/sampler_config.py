@@ -43,6 +43,7 @@ class SamplerConfig:
   page_buckets: tuple = ()          # page-table width buckets; (): powers of two
   attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
   leaf_features: bool = True        # one extra step per leaf to record its prefix feature
+  decode_steps: int = 8             # decode steps per device call (the host acts once per call)
   truncation_reward: float = 0.0    # reward of trajectories cut by a limit or the pool
   seed: int = 0
 

@@ -52,24 +52,25 @@ class SlotView:
   shared_pages: int = 0
 
 
-def _pad_rows(rows: list[list[int]], width: int, n: int) -> np.ndarray:
-  out = np.full((n, width), NULL_PAGE, np.int32)
+def _pad_rows(rows: list[list[int]], width: int, n: int, null_page: int = NULL_PAGE) -> np.ndarray:
+  out = np.full((n, width), null_page, np.int32)
   for i, r in enumerate(rows):
     out[i, :len(r)] = r
   return out
 
 
-def plain_tables(slots: list[SlotView | None], buckets: tuple[int, ...]) -> dict:
+def plain_tables(slots: list[SlotView | None], buckets: tuple[int, ...],
+                 null_page: int = NULL_PAGE) -> dict:
   """Per-slot page tables without sharing: page_table i32[S, P], lens i32[S]."""
   need = max([len(s.pages) for s in slots if s is not None] + [1])
   width = pick_bucket(need, buckets)
   rows = [s.pages if s is not None else [] for s in slots]
   lens = np.asarray([s.length if s is not None else 0 for s in slots], np.int32)
-  return {"page_table": _pad_rows(rows, width, len(slots)), "lens": lens}
+  return {"page_table": _pad_rows(rows, width, len(slots), null_page), "lens": lens}
 
 
 def tree_tables(slots: list[SlotView | None], page_size: int, max_groups: int, group_size: int,
-                buckets: tuple[int, ...]) -> dict:
+                buckets: tuple[int, ...], null_page: int = NULL_PAGE) -> dict:
   """Group and suffix tables for `tree_attention`.
 
   Slots sharing a group key (and at least one shared page) are packed into groups of at most
@@ -113,9 +114,52 @@ def tree_tables(slots: list[SlotView | None], page_size: int, max_groups: int, g
     group_slots[gi, :len(c)] = c
   group_lens = np.zeros(max_groups, np.int32)
   group_lens[:len(g_lens)] = g_lens
-  return {"group_pages": _pad_rows(g_rows, pg, max_groups), "group_lens": group_lens,
-          "group_slots": group_slots, "suffix_pages": _pad_rows(s_rows, ps, len(slots)),
+  return {"group_pages": _pad_rows(g_rows, pg, max_groups, null_page), "group_lens": group_lens,
+          "group_slots": group_slots,
+          "suffix_pages": _pad_rows(s_rows, ps, len(slots), null_page),
           "suffix_lens": np.asarray(s_lens, np.int32)}
 
 
-__all__ = ["SlotView", "page_buckets", "pick_bucket", "plain_tables", "tree_tables"]
+def _widen(a: np.ndarray, width: int, fill: int) -> np.ndarray:
+  if a.shape[1] >= width:
+    return a
+  return np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), fill, a.dtype)], axis=1)
+
+
+def sharded_tables(slots: list[SlotView | None], shards: int, pages_per_shard: int,
+                   page_size: int, groups_per_shard: int, group_size: int,
+                   buckets: tuple[int, ...], tree: bool = True) -> dict:
+  """Tree tables for a pool split into `shards` contiguous page ranges (see `PoolLayout`).
+
+  Slot block d (`len(slots) // shards` slots) lives on shard d: its groups are packed among
+  themselves into group rows block d (`groups_per_shard` rows), its padding points at shard d's
+  null page (`d * pages_per_shard`), and slot ids in group_slots stay global. Widths are the
+  largest bucket any shard needs. tree=False: no groups (every slot attends to its whole table as
+  a suffix), the sharded form of `plain_tables`.
+  """
+  per = len(slots) // shards
+  parts = []
+  for d in range(shards):
+    sub, null = slots[d * per:(d + 1) * per], d * pages_per_shard
+    if tree:
+      t = tree_tables(sub, page_size, groups_per_shard, group_size, buckets, null)
+      t["group_slots"] = np.where(t["group_slots"] >= 0, t["group_slots"] + d * per, -1)
+    else:
+      p = plain_tables(sub, buckets, null)
+      t = {"group_pages": np.full((groups_per_shard, 1), null, np.int32),
+           "group_lens": np.zeros(groups_per_shard, np.int32),
+           "group_slots": np.full((groups_per_shard, 1), -1, np.int32),
+           "suffix_pages": p["page_table"], "suffix_lens": p["lens"]}
+    parts.append((null, t))
+  out = {}
+  for k in ("group_lens", "suffix_lens"):
+    out[k] = np.concatenate([t[k] for _, t in parts])
+  for k, fill in (("group_pages", None), ("group_slots", -1), ("suffix_pages", None)):
+    width = max(t[k].shape[1] for _, t in parts)
+    out[k] = np.concatenate([_widen(t[k], width, null if fill is None else fill)
+                             for null, t in parts])
+  return out
+
+
+__all__ = ["SlotView", "page_buckets", "pick_bucket", "plain_tables", "sharded_tables",
+           "tree_tables"]
