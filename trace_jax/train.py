@@ -175,7 +175,8 @@ def build(c, validate_fn=None) -> Run:
   env = assets_lib.build_env(c, assets)
   r = c.rollout
   engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
-                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
+                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                         mesh=mesh if mesh.size > 1 else None)
   predict = make_predictor(pred_graphdef)
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,

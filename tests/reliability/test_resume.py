@@ -79,7 +79,8 @@ def test_resumed_run_equals_uninterrupted_run(run, tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
   work = str(tmp_path / "preempted")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), *args_in(run, work, 3)]
+  eight = ("--config.rollout.num_slots=8",)  # the KV pool's slots and pages split over 8 shards
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), *args_in(run, work, 3, *eight)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(devices=8), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   metrics = os.path.join(work, "metrics.jsonl")
@@ -94,7 +95,7 @@ def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
   assert "SIGTERM" in out and "checkpointed step" in out, out[-3000:]
   steps = [int(s) for s in os.listdir(os.path.join(work, "checkpoints")) if s.isdigit()]
   assert steps and max(steps) in (1, 2)
-  again = launch("train.py", *args_in(run, work, 3), devices=8)
+  again = launch("train.py", *args_in(run, work, 3, *eight), devices=8)
   assert again.returncode == 0, again.stdout[-3000:]
   assert f"resumed at step {max(steps)}" in again.stdout
   rl = [r["step"] for r in records(work) if "effective_ratio" in r]
