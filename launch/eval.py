@@ -160,6 +160,7 @@ def restore_target(c, graphdef, params, mesh=None):
   """The abstract train state a run's checkpoint holds (masters, optimizer states, predictor), each
   leaf a ShapeDtypeStruct placed as the train loop places it on `mesh` (nothing is allocated)."""
   import jax
+  import numpy as np
   from flax import nnx
   from jax.sharding import NamedSharding
 
@@ -173,8 +174,9 @@ def restore_target(c, graphdef, params, mesh=None):
                       entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
                       micro_batches=c.rl.micro_batches, param_dtype=c.model.param_dtype)
   abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1], ucfg))
-  if mesh is None or mesh.size == 1:
-    return abstract
+  if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
+                             ("data", "fsdp", "tensor"))
   place = lambda s, sub: jax.tree.map(  # noqa: E731
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub)
   return jax.tree.map(place, state_shardings(abstract, mesh), abstract,
@@ -309,7 +311,7 @@ def main(argv):
     params = shard_state(params, pmesh)
   ckpt_info = {}
   if _WORKDIR.value:
-    params, step = restore_policy(c, _WORKDIR.value, step, graphdef, params, mesh)
+    params, step = restore_policy(c, _WORKDIR.value, step, graphdef, params, pmesh)
     ckpt_info = dict(workdir=os.path.abspath(_WORKDIR.value), step=step)
   else:
     ckpt_info = dict(model_path=os.path.abspath(_MODEL_PATH.value))

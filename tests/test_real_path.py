@@ -172,6 +172,21 @@ def test_real_path_eval_on_the_mesh(real_run):
   assert "madeup_qa: EM" in real_run["eval_stdout"]
 
 
+@pytest.mark.slow
+def test_real_path_eval_on_one_device(real_run, tmp_path):
+  """The checkpoint saved on 8 devices restores on one (a target placed on that device), here with
+  BM25 over the same corpus in-process instead of the server."""
+  out = tmp_path / "eval.json"
+  p = launch("eval.py", f"--workdir={real_run['workdir']}", f"--data={real_run['assets']['test']}",
+             f"--retriever=bm25:{real_run['assets']['corpus']}", "--mesh=data:1", "--limit=2",
+             f"--out={out}")
+  assert p.returncode == 0, p.stdout[-3000:]
+  res = json.loads(out.read_text())
+  assert res["checkpoint"]["step"] == 3 and res["n"] == 2
+  assert res["policy"]["dtypes"] == ["bfloat16"] and res["policy"]["sharded"] == 0
+  assert res["policy"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
 # ---- the fixes the real path needed --------------------------------------------------------------
 def _config(variant):
   sys.path.insert(0, os.path.join(ROOT, "configs"))
