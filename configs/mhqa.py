@@ -5,6 +5,7 @@ Variants:
   smoke           the same loop at toy size (a few steps), used by CI
   qwen3_8b        paper-style run with a local Qwen3-8B checkpoint and local data
   qwen3_14b       paper scale (Qwen3-14B); model, data and retriever paths are required
+  real_smoke      the qwen3 path at toy size (CI: tests/test_real_path.py); paths as for qwen3_*
 Overrides: `--config.rl.steps=50 --config.method=grpo`.
 """
 
@@ -208,8 +209,41 @@ def get_config(arg: str | None = None):
     # fsdp:4 puts params, masters and moments on 4x fewer copies: `python launch/plan.py
     # --config=configs/mhqa.py:qwen3_14b` (results/plan_qwen3.md) has 14B fitting v5p-64 only so.
     c.mesh = "data:-1,fsdp:4,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:4,tensor:4"
+  elif variant == "real_smoke":
+    # The qwen3 code path at toy size (CI): a local HF checkpoint and tokenizer, Search-R1 data and
+    # a retrieval server, all given on the command line (model.path, data.*, retriever.url).
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.predictor_hidden = 32
+    c.retriever.kind = "http"
+    c.retriever.topk = 1
+    c.retriever.timeout_s = 5.0
+    c.env.max_turns = 2
+    c.env.max_turn_tokens = 12
+    c.env.max_obs_tokens = 32
+    c.env.max_seq_len = 256
+    c.rollout.prompts_per_step = 2
+    c.rollout.candidate_prompts = 2
+    c.rollout.root_budget = 4
+    c.rollout.prefix_budget = 2
+    c.rollout.max_per_prompt = 4
+    c.rollout.metric_slice = 0
+    c.rollout.num_slots = 4
+    c.rollout.num_pages = 256
+    c.rl.lr = 1e-6
+    c.rl.steps = 2
+    c.rl.micro_batches = 2
+    c.rl.train_rows = 4
+    c.rl.kl_coef = 0.001
+    c.rl.entropy_coef = 0.01     # a gradient even when a random policy earns no reward
+    c.rl.remat = "dots"
+    c.rl.predictor_fit_steps = 5
+    c.eval.every = 2
+    c.eval.size = 4
+    c.ckpt.every = 1
   else:
-    raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b or qwen3_14b")
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b, qwen3_14b or "
+                     f"real_smoke")
   return c
 
 
@@ -229,8 +263,10 @@ def validate(c) -> None:
   """
   if c.method not in METHODS:
     raise ValueError(f"config.method={c.method!r}; choose one of {METHODS}")
-  synthetic = not c.variant.startswith("qwen3")
-  if c.variant.startswith("qwen3"):
+  from trace_jax.assets import uses_real_data  # the real variants' names live with the loaders
+
+  synthetic = not uses_real_data(c)
+  if not synthetic:
     missing = [k for k in REQUIRED_REAL if not _get(c, k)]
     if c.retriever.kind == "http" and not c.retriever.url:
       missing.append("retriever.url")

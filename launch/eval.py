@@ -27,6 +27,7 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "configs"))
 
 from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (config.json + "
                                "checkpoints/)")
@@ -60,6 +61,9 @@ _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "tokens per trajectory"
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", None, "concurrent rollouts of the sampler")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", None, "KV pages of the sampler")
 _BATCH = flags.DEFINE_integer("batch", 256, "prompts per sampler call")
+_MESH = flags.DEFINE_string("mesh", None, "device mesh, e.g. data:2,fsdp:2,tensor:2 (default: the "
+                            "run's mesh with --workdir, all devices data-parallel with "
+                            "--model_path)")
 
 
 def _fail(msg: str):
@@ -92,6 +96,7 @@ def _hf_config(model_path: str):
   c.model.path = model_path
   c.model.tokenizer_path = _TOKENIZER_PATH.value or model_path
   c.retriever.kind = "world"
+  c.mesh = "data:-1,fsdp:1,tensor:1"
   return c
 
 
@@ -109,6 +114,8 @@ def _apply_overrides(c):
     c.model.param_dtype = _DTYPE.value
   if _WORLD_CACHE.value is not None:
     c.world.cache_dir = _WORLD_CACHE.value
+  if _MESH.value is not None:
+    c.mesh = _MESH.value
 
 
 def _check_retriever(spec: str) -> tuple[str, str]:
@@ -149,26 +156,56 @@ def _checkpoint_step(workdir, step):
   return steps[-1] if step is None else step
 
 
-def _restore_params(c, workdir, step, graphdef, params):
-  """The policy parameters of a run's checkpoint (the train state's `params` entry)."""
+def restore_target(c, graphdef, params, mesh=None):
+  """The abstract train state a run's checkpoint holds (masters, optimizer states, predictor), each
+  leaf a ShapeDtypeStruct placed as the train loop places it on `mesh` (nothing is allocated)."""
+  import jax
+  import numpy as np
   from flax import nnx
+  from jax.sharding import NamedSharding
 
-  from trace_jax.checkpoint import Checkpointer
   from trace_jax.models.predictor import PredictorHead
-  from trace_jax.rl.update import UpdateConfig, init_train_state
+  from trace_jax.rl.update import UpdateConfig, init_train_state, state_shardings
 
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=10**6)
   head = PredictorHead(nnx.merge(graphdef, params).cfg.hidden_size, c.model.predictor_hidden,
                        rngs=nnx.Rngs(0))
   ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
                       eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
                       entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
-                      micro_batches=c.rl.micro_batches)
+                      micro_batches=c.rl.micro_batches, param_dtype=c.model.param_dtype)
+  abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1], ucfg))
+  if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
+                             ("data", "fsdp", "tensor"))
+  place = lambda s, sub: jax.tree.map(  # noqa: E731
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub)
+  return jax.tree.map(place, state_shardings(abstract, mesh), abstract,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def restore_policy(c, workdir, step, graphdef, params, mesh=None):
+  """The policy weights of a run's checkpoint, as the train loop's sampler gets them: the train
+  state's masters cast to `model.param_dtype` (`policy_params`), placed on `mesh` in the train
+  loop's sharding. Returns (params, step)."""
+  from trace_jax.checkpoint import Checkpointer
+  from trace_jax.rl.update import policy_params
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=10**6)
   # The target gives the saved state's structure (optimizer states included); only params are used.
-  target = init_train_state(params, nnx.split(head)[1], ucfg)
-  state, meta = ckpt.restore(target, step)
+  state, meta = ckpt.restore(restore_target(c, graphdef, params, mesh), step)
   ckpt.close()
-  return state["params"], int(meta.get("step", step))
+  return policy_params(state["params"], c.model.param_dtype), int(meta.get("step", step))
+
+
+def describe_policy(params, mesh) -> dict:
+  """Dtypes, mesh and how many weight arrays are split over devices, for the output JSON."""
+  import jax
+
+  leaves = jax.tree.leaves(params)
+  return dict(dtypes=sorted({str(x.dtype) for x in leaves}), mesh=dict(mesh.shape),
+              arrays=len(leaves),
+              sharded=sum(1 for x in leaves
+                          if not getattr(x, "sharding", None) or not x.sharding.is_fully_replicated))
 
 
 def _examples_from_file(path, fmt, source, encode, bos_id, prompt_fn):
@@ -209,6 +246,7 @@ def summarize(res: dict, examples: list) -> dict:
 def main(argv):
   del argv
   t0 = time.time()
+  absl_logging.set_verbosity(absl_logging.WARNING)  # checkpoint libraries log every restore at INFO
   if bool(_WORKDIR.value) == bool(_MODEL_PATH.value):
     _fail("give exactly one of --workdir (a training run) or --model_path (a HF checkpoint)")
   for p in _DATA.value or []:
@@ -228,6 +266,7 @@ def main(argv):
   from trace_jax.envs import prompts
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
+  from trace_jax.parallel import initialize, make_mesh, shard_state
   from trace_jax.rollout.env_adapter import TreeEnvAdapter
   from trace_jax.rollout.sampler import SamplerEngine
   from trace_jax.rollout.sampler_config import sampler_config_from
@@ -240,17 +279,23 @@ def main(argv):
       world_box["w"] = assets_lib.load_world_assets(c)
     return world_box["w"].world
 
-  # ---- tokenizer and model ----------------------------------------------------------------------
+  # ---- mesh, tokenizer and model -----------------------------------------------------------------
+  initialize()  # joins the other processes of a multi-host evaluation, if configured
+  try:
+    mesh = make_mesh(c.get("mesh", "") or "data:-1")
+  except ValueError as e:
+    _fail(f"mesh {c.mesh!r}: {e} (set --mesh, e.g. --mesh=data:-1)")
+  pmesh = mesh if mesh.size > 1 else None
   if _WORKDIR.value:
-    synthetic = not c.variant.startswith("qwen3")
+    synthetic = not assets_lib.uses_real_data(c)
     if synthetic:
       wa = world_box["w"] = assets_lib.load_world_assets(c)
       encode, decode, bos_id, eos_id, vocab = wa.encode, wa.decode, wa.bos_id, wa.eos_id, \
           wa.vocab_size
-    model = assets_lib.build_model(c, vocab if synthetic else 0)
+    model = assets_lib.build_model(c, vocab if synthetic else 0, pmesh if c.model.path else None)
   else:
     synthetic = False
-    model = assets_lib.build_model(c, 0)
+    model = assets_lib.build_model(c, 0, pmesh)
   if not synthetic:
     from transformers import AutoTokenizer
     tdir = c.model.tokenizer_path or c.model.path
@@ -262,9 +307,11 @@ def main(argv):
     decode = lambda ids: tok.decode(list(ids))  # noqa: E731
     bos_id, eos_id = None, tok.eos_token_id
   graphdef, params = nnx.split(model)
+  if pmesh is not None:  # a synthetic-world model is born unsharded; place it as training does
+    params = shard_state(params, pmesh)
   ckpt_info = {}
   if _WORKDIR.value:
-    params, step = _restore_params(c, _WORKDIR.value, step, graphdef, params)
+    params, step = restore_policy(c, _WORKDIR.value, step, graphdef, params, pmesh)
     ckpt_info = dict(workdir=os.path.abspath(_WORKDIR.value), step=step)
   else:
     ckpt_info = dict(model_path=os.path.abspath(_MODEL_PATH.value))
@@ -301,7 +348,7 @@ def main(argv):
   res = evaluate(engine, examples, batch=_BATCH.value)
   out = dict(summarize(res, examples), checkpoint=ckpt_info, data=data_info,
              retriever=retr_desc, reward=c.env.reward, max_turns=c.env.max_turns,
-             seconds=time.time() - t0)
+             policy=describe_policy(params, mesh), seconds=time.time() - t0)
   path = _OUT.value or (os.path.join(_WORKDIR.value, "eval.json") if _WORKDIR.value else
                         "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -34,6 +34,15 @@ class Assets:
   world: object = None    # the synthetic world, when used
 
 
+REAL_VARIANTS = ("qwen3", "real")  # variant name prefixes that train on real data
+
+
+def uses_real_data(c) -> bool:
+  """Whether config `c` trains on a HF checkpoint, local QA files and a real retriever (the
+  `qwen3_*` and `real_smoke` variants) rather than the synthetic world."""
+  return str(c.variant).startswith(REAL_VARIANTS)
+
+
 def _example(encode, bos_id, ex_id, question, answers, prompt_text, hops=None, source="synthetic",
              meta=None):
   ids = ([bos_id] if bos_id is not None else []) + list(encode(prompt_text))

@@ -43,6 +43,7 @@ from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
+from trace_jax.parallel.micro_batch import row_shards
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
@@ -154,7 +155,7 @@ def build(c, validate_fn=None) -> Run:
   mesh = make_mesh(c.mesh)
   writer = MetricWriter(workdir)
 
-  synthetic = not c.variant.startswith("qwen3")
+  synthetic = not assets_lib.uses_real_data(c)
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
@@ -380,9 +381,10 @@ def step_examples(run: Run, step: int) -> list[dict]:
 @functools.lru_cache(maxsize=4)
 def _prompt_plan(seed: int, probe_prompts: int, n_train: int):
   """(probe prompt indices, prompt order), both drawn from the run's seed in this order, so a
-  fresh run and every resume of it see the same prompts in the same order."""
+  fresh run and every resume of it see the same prompts in the same order. A train set smaller
+  than `probe_prompts` is probed whole."""
   rng = np.random.default_rng(seed)
-  probe = rng.choice(n_train, probe_prompts, replace=False)
+  probe = rng.choice(n_train, min(probe_prompts, n_train), replace=False)
   return probe, rng.permutation(n_train)
 
 
@@ -429,9 +431,8 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
              rollouts_total=totals["rollouts"])
   if seqs:
-    dp = run.mesh.shape["data"] * run.mesh.shape["fsdp"]
     batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
-                              num_rows=_bucket(c.rl.train_rows, c.rl.micro_batches * dp))
+                              num_rows=update_rows(c, run.mesh))
     if run.mesh.size > 1:
       batch = shard_batch(batch, run.mesh)
     if run.ref_params is not None:
@@ -459,6 +460,12 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
 
 def _inject_nan_steps(c) -> set[int]:
   return {int(x) for x in str(c.rl.get("inject_nan_steps", "")).split(",") if x.strip()}
+
+
+def update_rows(c, mesh) -> int:
+  """Packed rows per update: `rl.train_rows` rounded up to a multiple of `rl.micro_batches` x the
+  row shards of the mesh (data x fsdp), so every micro-batch splits evenly over the shards."""
+  return _bucket(c.rl.train_rows, c.rl.micro_batches * row_shards(mesh if mesh.size > 1 else None))
 
 
 def check_divergence(run: Run, state: LoopState, rec: dict) -> None:
@@ -599,4 +606,4 @@ def step_prompts(c) -> int:
 
 __all__ = ["Diverged", "LoopState", "Preempted", "Run", "build", "check_divergence", "evaluate_step", "finish", "init_state", "make_predictor",
            "probe_warm_start", "restore", "sample_step", "save", "start", "step_examples",
-           "step_prompts", "train", "update_step"]
+           "step_prompts", "train", "update_rows", "update_step"]
