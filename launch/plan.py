@@ -28,9 +28,10 @@ from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes, 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/mhqa.py[:variant]")
 _MESH = flags.DEFINE_string("mesh", None, "one mesh, e.g. data:4,fsdp:1,tensor:8 (default: the "
                             "slice tables)")
-_KV_POOL = flags.DEFINE_enum("kv_pool", "main", KV_POOL_LAYOUTS, "KV pool layout: main (heads "
-                             "over tensor, as the code does today), sharded (pages over data too)"
-                             ", replicated")
+_KV_POOL = flags.DEFINE_enum("kv_pool", "sharded", KV_POOL_LAYOUTS, "KV pool layout: sharded "
+                             "(pages over data x fsdp, heads over tensor: the train loop's "
+                             "sampler), main (heads over tensor only: an engine without a mesh), "
+                             "replicated")
 _OUT = flags.DEFINE_string("out", None, "also write the report (markdown) here")
 _HEADROOM = 0.9  # a plan fits a device when its peak is within 90% of the device's memory
 

@@ -46,6 +46,7 @@ def test_kv_pool_layouts():
   # split over data; sharded: pages over data as well.
   assert _mem("data:4,fsdp:1,tensor:8").kv_pool_gb == pytest.approx(full / 8)
   assert _mem("data:4,fsdp:1,tensor:8", kv_pool="sharded").kv_pool_gb == pytest.approx(full / 32)
+  assert _mem("data:2,fsdp:2,tensor:8", kv_pool="sharded").kv_pool_gb == pytest.approx(full / 32)
   with pytest.raises(ValueError, match="kv_pool"):
     _mem("data:4,fsdp:1,tensor:8", kv_pool="tensor")
 

@@ -24,8 +24,9 @@ What the code lays out (trace_jax/rl/update.py, trace_jax/train.py, trace_jax/ro
   and its first jitted prefill lets XLA choose its sharding: propagated from the k/v projections,
   the KV heads split over `tensor` (`P(None, None, "tensor")`, when tensor divides the KV heads)
   and every page is replicated over data x fsdp. `kv_pool="main"` (the default) plans exactly that.
-  `kv_pool="sharded"` plans the layout the sampler is moving to: pages split over `data`, KV heads
-  over `tensor`. `kv_pool="replicated"`: a full pool on every device.
+  `kv_pool="sharded"` plans the layout of `SamplerEngine(mesh=...)`, which the train loop now uses:
+  pages split over data x fsdp (one page range per shard), KV heads over `tensor`.
+  `kv_pool="replicated"`: a full pool on every device.
 
 Figures are bytes per device; GB = 1e9 bytes.
 """
@@ -254,7 +255,7 @@ def kv_pool_split(cfg: Qwen3Config, sizes: dict, kv_pool: str = "main") -> int:
     raise ValueError(f"kv_pool={kv_pool!r}; expected one of {KV_POOL_LAYOUTS}")
   if kv_pool == "replicated":
     return 1
-  pages = sizes["data"] if kv_pool == "sharded" else 1
+  pages = sizes["data"] * sizes["fsdp"] if kv_pool == "sharded" else 1
   return pages * _kv_split(cfg, sizes)
 
 
