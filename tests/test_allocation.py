@@ -362,3 +362,18 @@ def test_platt_fit_recovers_a_known_map_and_shrinks_to_identity():
   assert platt_apply(np.array([0.5]), 1.0, 0.0)[0] == pytest.approx(0.5)
   with pytest.raises(ValueError, match="equal 1-D"):
     platt_fit(p_hat, y[:3])
+
+
+def test_platt_fit_is_stable_on_saturated_predictions():
+  # p̂ pushed to the clip (logits near +-9) that still ranks outcomes better than chance: the slope
+  # must stay positive (a plain Newton step from the identity overshoots to a negative slope).
+  from trace_jax.rollout.allocation import platt_fit
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    n = 80
+    p_hat = np.where(rng.random(n) < 0.5, 1e-4, 1 - 1e-4) * 1.0
+    mid = rng.random(n) < 0.3
+    p_hat[mid] = rng.uniform(0.2, 0.8, mid.sum())
+    y = (rng.random(n) < np.where(p_hat > 0.5, 0.6, 0.25)).astype(np.float64)
+    a, b = platt_fit(p_hat, y, prior_strength=10.0)
+    assert 0.0 < a < 1.0, (a, b)

@@ -432,11 +432,27 @@ def platt_fit(p_hat, outcomes, prior_strength: float = 10.0, steps: int = 25):
   x = np.stack([np.log(p / (1 - p)), np.ones_like(p)], axis=1)
   theta, prior = np.array([1.0, 0.0]), np.array([1.0, 0.0])
   lam = float(prior_strength)
+
+  def loss(t):  # penalized negative log-likelihood (convex)
+    z = x @ t
+    return float(np.sum(np.logaddexp(0, z) - y * z) + 0.5 * lam * np.sum((t - prior) ** 2))
+
+  cur = loss(theta)
   for _ in range(steps):
     q = 1 / (1 + np.exp(-(x @ theta)))
     grad = x.T @ (q - y) + lam * (theta - prior)
-    hess = (x * (q * (1 - q))[:, None]).T @ x + lam * np.eye(2)
-    theta = theta - np.linalg.solve(hess, grad)
+    hess = (x * (q * (1 - q))[:, None]).T @ x + (lam + 1e-9) * np.eye(2)
+    step = np.linalg.solve(hess, grad)
+    t = 1.0  # backtracking: a plain Newton step overshoots on saturated logits
+    while t > 1e-6 and loss(theta - t * step) > cur - 1e-4 * t * float(grad @ step):
+      t *= 0.5
+    if t <= 1e-6:
+      break
+    theta = theta - t * step
+    new = loss(theta)
+    if cur - new < 1e-10:
+      break
+    cur = new
   return float(theta[0]), float(theta[1])
 
 
