@@ -87,7 +87,10 @@ def decode_check(num_slots, num_pages, page_size, max_seq_len, vocab):
                    cfg.dtype)
   s, ng, gs, w = num_slots, scfg.num_groups, scfg.group_size, scfg.max_pages_per_seq
   z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-  batch = dict(tokens=z(s), positions=z(s), write_page=z(s), write_off=z(s), counters=z(s),
+  # One decode step per call (the engine's default is several; the step's temporaries are per
+  # step), the batch as `make_decode_step` documents it, no stop sequences (a window of width 1).
+  batch = dict(tokens=z(s), positions=z(s), write_pages=z(s, 1), budget=np.ones(s, np.int32),
+               null=z(s), window=np.full((s, 1), -2, np.int32), counters=z(s),
                top_k=z(s), keys=np.zeros((s, 2), np.uint32),
                temperature=np.ones(s, np.float32), top_p=np.ones(s, np.float32),
                greedy=np.zeros(s, bool), group_pages=z(ng, w), group_lens=z(ng),
