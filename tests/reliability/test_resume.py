@@ -109,7 +109,9 @@ def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
 @pytest.mark.slow
 def test_nan_lr_stops_with_exit_70(run, tmp_path):
   work = str(tmp_path / "lr_nan")
-  p = launch("train.py", *args_in(run, work, 3, "--config.rl.lr=nan"))
+  # One skipped update is enough to stop (max_consecutive_skips=1): the same path, one step.
+  p = launch("train.py", *args_in(run, work, 3, "--config.rl.lr=nan",
+                                  "--config.rl.max_consecutive_skips=1"))
   assert p.returncode == 70, p.stdout[-3000:]
   assert "training diverged at RL step" in p.stdout, p.stdout[-3000:]
   assert not os.path.exists(os.path.join(work, "summary.json"))
