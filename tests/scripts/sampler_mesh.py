@@ -9,9 +9,7 @@ import re
 import sys
 
 import jax
-import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.parallel import make_mesh
