@@ -285,21 +285,23 @@ def main():
         log.append({"fault": "unexpected_exit", "exit": rc, "tail": "".join(out)[-1500:]})
         break
     finished = rc == 0
-    same_records = finished and records(workdir) == records(trial_ref)
+    got = records(workdir) if finished else []  # each run's records read once
+    want = records(trial_ref) if finished else []
+    same_records = finished and got == want
     same_params = finished and same_state(workdir, trial_ref, a.steps)
-    steps = [r["step"] for r in records(workdir) if "effective_ratio" in r] if finished else []
+    rl = {r["step"]: r for r in got if "effective_ratio" in r}
     trial = dict(trial=ti, faults=log, attempts=attempts, finished=finished,
                  identical_records=same_records, identical_params=same_params,
-                 each_step_once=steps == list(range(1, a.steps + 1)),
+                 each_step_once=[r["step"] for r in got if "effective_ratio" in r]
+                 == list(range(1, a.steps + 1)),
                  retriever_faults_injected=list(proxy.injected))
     if finished and not same_records:  # where the trial first left the reference, for the log
-      for x, y in zip(records(workdir), records(trial_ref)):
+      for x, y in zip(got, want):
         if x != y:
           trial["first_difference"] = dict(
               step=x.get("step"), keys=sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k)))
           break
     if nan_step is not None:
-      rl = {r["step"]: r for r in records(workdir) if "effective_ratio" in r} if finished else {}
       arrays = final_arrays(workdir, a.steps) if finished else []
       trial["nan_step_skipped"] = bool(
           finished and rl[nan_step + 1].get("finite") == 0.0

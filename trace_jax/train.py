@@ -123,6 +123,7 @@ class Run:
   warm_start: dict
   synthetic: bool
   t_start: float
+  inject_nan_steps: frozenset = frozenset()  # RL steps whose loss is poisoned (rl.inject_nan_steps)
 
 
 @dataclasses.dataclass
@@ -137,7 +138,11 @@ class LoopState:
   predictions: list = dataclasses.field(default_factory=list)  # (stage, p̂, outcome)
   er_hist: list = dataclasses.field(default_factory=list)
   probe: dict | None = None          # the warm-start probe (first run only)
-  skip_streak: int = 0               # consecutive updates skipped as non-finite
+
+  @property
+  def skip_streak(self) -> int:
+    """Consecutive updates skipped as non-finite (the update's own count, `train["skip_streak"]`)."""
+    return int(self.train["skip_streak"])
 
 
 # ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
@@ -147,6 +152,7 @@ def build(c, validate_fn=None) -> Run:
   t_start = time.time()
   if validate_fn is not None:
     validate_fn(c)
+  inject_nan_steps = _parse_steps(c.rl.get("inject_nan_steps", ""))
   initialize()
   workdir = _workdir(c)
   os.makedirs(workdir, exist_ok=True)
@@ -228,7 +234,16 @@ def build(c, validate_fn=None) -> Run:
              shardings=shardings, init_params=params,
              init_pred_params=pred_params, ucfg=ucfg,
              init_param_norm=float(_global_norm(params)), warm_start=ws_info,
-             synthetic=synthetic, t_start=t_start)
+             synthetic=synthetic, t_start=t_start,
+             inject_nan_steps=inject_nan_steps)
+
+
+def _parse_steps(spec) -> frozenset:
+  """'2,5' -> {2, 5}: the RL steps of a fault-injection option."""
+  try:
+    return frozenset(int(x) for x in str(spec).split(",") if x.strip())
+  except ValueError:
+    raise ValueError(f"rl.inject_nan_steps={spec!r}: expected comma-separated step numbers") from None
 
 
 def init_state(run: Run) -> LoopState:
@@ -257,7 +272,7 @@ def save(run: Run, state: LoopState) -> None:
   the future is in it (the predictor's replay buffer, the ledger), or derives from (seed, step)."""
   run.ckpt.save(state.step, state.train, dict(
       step=state.step, totals=state.totals, evals=state.evals, predictions=state.predictions,
-      er_hist=state.er_hist, warm_start_probe=state.probe, skip_streak=state.skip_streak,
+      er_hist=state.er_hist, warm_start_probe=state.probe,
       host=encode_host(host_state(run))), force=True)
 
 
@@ -269,7 +284,7 @@ def host_state(run: Run) -> dict:
   return {"fitter_buffer": list(run.fitter.buffer), "fitter_roots": list(run.fitter.roots),
           "fitter_opt": [np.asarray(x) for x in jax.tree.leaves(run.fitter.state_dict())],
           "ledger": run.engine.ledger.as_dict(),
-          "slice_log": [[list(x) for x in step] for step in run.driver._slice_log]}
+          **run.driver.state_dict()}
 
 
 def load_host_state(run: Run, d: dict) -> None:
@@ -279,8 +294,7 @@ def load_host_state(run: Run, d: dict) -> None:
   run.fitter.roots.extend(tuple(e) for e in d["fitter_roots"])
   tree = jax.tree.structure(run.fitter.state_dict())
   run.fitter.load_state_dict(jax.tree.unflatten(tree, [jnp.asarray(x) for x in d["fitter_opt"]]))
-  run.driver._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
-                              for step in d.get("slice_log", [])]
+  run.driver.load_state_dict(d)
   for k, v in d["ledger"].items():
     setattr(run.engine.ledger, k, v)
 
@@ -301,8 +315,7 @@ def restore(run: Run) -> LoopState | None:
                     totals=dict(meta.get("totals", target.totals)),
                     evals=dict(meta.get("evals", {})),
                     predictions=[list(p) for p in meta.get("predictions", [])],
-                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"),
-                    skip_streak=int(meta.get("skip_streak", 0)))
+                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"))
   if "host" in meta:
     load_host_state(run, decode_host(meta["host"]))
   dropped = run.writer.truncate(state.step)
@@ -439,7 +452,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch["ref_logp"] = reference_logprobs(
           run.graphdef, run.ref_params, batch, c.rl.micro_batches,
           run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
-    if state.step in _inject_nan_steps(c):  # fault injection (launch/chaos.py): a NaN loss
+    if state.step in run.inject_nan_steps:  # fault injection (launch/chaos.py): a NaN loss
       batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
     train_state, m = run.update(train_state, batch)
@@ -450,16 +463,10 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     rec["empty_batch"] = 1.0
   rec["skipped_steps"] = int(train_state["skipped"])
   rec.update(run.env.retriever_stats(reset=True))
-  skipped = rec.get("finite", 1.0) < 0.5
   state = dataclasses.replace(state, train=train_state, step=state.step + 1, totals=totals,
-                              predictions=predictions[-20000:], er_hist=er_hist,
-                              skip_streak=state.skip_streak + 1 if skipped else 0)
+                              predictions=predictions[-20000:], er_hist=er_hist)
   run.writer.write(state.step, rec)
   return state, rec
-
-
-def _inject_nan_steps(c) -> set[int]:
-  return {int(x) for x in str(c.rl.get("inject_nan_steps", "")).split(",") if x.strip()}
 
 
 def update_rows(c, mesh) -> int:

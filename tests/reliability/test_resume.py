@@ -161,7 +161,7 @@ def _stub(tmp_path, **rl):
 ])
 def test_check_divergence_reasons(tmp_path, rec, streak, evals, why):
   from trace_jax.train import Diverged, LoopState, check_divergence
-  state = LoopState(train={}, step=4, skip_streak=streak, evals=evals)
+  state = LoopState(train={"skip_streak": np.int32(streak)}, step=4, evals=evals)
   with pytest.raises(Diverged, match="no checkpoint was written") as e:
     check_divergence(_stub(tmp_path), state, rec)
   assert why in str(e.value)
@@ -169,7 +169,7 @@ def test_check_divergence_reasons(tmp_path, rec, streak, evals, why):
 
 def test_check_divergence_passes_healthy_steps(tmp_path):
   from trace_jax.train import LoopState, check_divergence
-  state = LoopState(train={}, step=4, skip_streak=2, evals={"0": 0.0, "4": 0.0})
+  state = LoopState(train={"skip_streak": np.int32(2)}, step=4, evals={"0": 0.0, "4": 0.0})
   check_divergence(_stub(tmp_path), state, {"param_norm": 999.0, "eval_em": 0.0})
 
 

@@ -75,11 +75,24 @@ class RolloutDriver:
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
-    self._raw_p_root, self._calib = None, (1.0, 0.0)  # stage 1's p̂ before calibration, and (a, b)
+
+  def state_dict(self) -> dict:
+    """What the driver carries from step to step (for a checkpoint): the random slice's
+    (stage, raw p̂, outcome) records per step, which the Platt calibration and the running slice
+    metrics read."""
+    return {"slice_log": [[list(x) for x in step] for step in self._slice_log]}
+
+  def load_state_dict(self, d: dict) -> None:
+    self._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
+                          for step in d.get("slice_log", [])]
 
   # ---- stage 1 -----------------------------------------------------------------------------------
   def _root_counts(self, examples, use_predictor):
+    """Stage-1 rollouts per prompt. Returns (counts, p̂ used, raw p̂, Platt (a, b)): the p̂ the
+    allocation used (calibrated when `calibrate` is on), the head's own p̂ before calibration, and
+    the calibration map; the p̂s are None when the allocation does not read the predictor."""
     c, p = self.cfg, len(examples)
+    identity = (1.0, 0.0)
     kind = strategies.ROOT_ALLOCATION[c.method]
     if kind == "predicted":
       n_sel = c.prompts_per_step if 0 < c.prompts_per_step < p else p
@@ -88,22 +101,21 @@ class RolloutDriver:
         m = np.zeros(p, np.int32)
         m[:n_sel] = np.asarray(_alloc_roots(c.root_budget, c.min_per_prompt, cap)(
             np.full(n_sel, 0.5, np.float32)))
-        return m, None
-      p_hat = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
-                      1e-4, 1 - 1e-4).astype(np.float32)
-      self._raw_p_root = p_hat
-      p_hat = self._calibrated(p_hat)
+        return m, None, None, identity
+      raw = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
+                    1e-4, 1 - 1e-4).astype(np.float32)
+      p_hat, calib = self._calibrated(raw)
       if n_sel < p:  # choose the prompts as well as their counts
         m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(p_hat)
       else:
         m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(p_hat)
-      return np.asarray(m), p_hat
+      return np.asarray(m), p_hat, raw, calib
     if len(examples) > c.prompts_per_step > 0 and c.method != "dapo":
       raise ValueError(f"{c.method} samples every prompt it is given: pass prompts_per_step "
                        f"({c.prompts_per_step}) prompts, not {len(examples)}")
     budget = c.root_budget if kind == "uniform" and c.method != "grpo" else \
         c.root_budget + c.prefix_budget
-    return np.asarray(strategies.uniform_roots(p, budget)), None
+    return np.asarray(strategies.uniform_roots(p, budget)), None, None, identity
 
   # ---- stage 2 -----------------------------------------------------------------------------------
   def _candidates(self, trees):
@@ -272,7 +284,7 @@ class RolloutDriver:
     ledger0 = dict(self.engine.ledger.as_dict())
     if c.method == "dapo":
       return self._sample_dapo(examples, ledger0)
-    m, p_root = self._root_counts(examples, use_predictor)
+    m, p_root, raw_p_root, calib = self._root_counts(examples, use_predictor)
     reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, m) if k > 0]
     trees = self.engine.run(reqs)
     for t in trees:  # stage-1 rollouts of the tree (stage 2 may add more at the root)
@@ -317,8 +329,7 @@ class RolloutDriver:
         before[(ti, nid)] = set(trees[ti].nodes[nid].children)
         forks.append(ForkRequest(trees[ti], nid, int(kk)))
     slice_reqs, slice_p = self._slice_requests(
-        examples, self._raw_p_root if p_root is not None else None,
-        use_predictor)
+        examples, raw_p_root, use_predictor)
     if forks or slice_reqs:
       # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its cost is
       # taken out of this step's ledger below.
@@ -338,7 +349,7 @@ class RolloutDriver:
       t.backup()
     slice_preds, slice_info = self._record_slice(slice_trees, slice_p)
     if c.calibrate == "platt" and p_root is not None:
-      slice_info.update(calib_a=self._calib[0], calib_b=self._calib[1])
+      slice_info.update(calib_a=calib[0], calib_b=calib[1])
     ledger = {k2: v - ledger0.get(k2, 0) for k2, v in self.engine.ledger.as_dict().items()}
     if slice_trees:
       cost = _trees_cost(slice_trees)
@@ -355,16 +366,16 @@ class RolloutDriver:
                       slice_predictions=slice_preds)
 
   def _calibrated(self, p_hat):
-    """p̂ mapped through a Platt fit on the random slice's (raw p̂, outcome) pairs of the last
-    `calibrate_window` steps: unbiased pairs, since the slice is drawn without looking at p̂."""
+    """(p̂ mapped through a Platt fit, (a, b)): the fit is on the random slice's (raw p̂, outcome)
+    pairs of the last `calibrate_window` steps, unbiased since the slice is drawn without looking
+    at p̂. Without calibration or slice data yet: (p̂, (1, 0))."""
     c = self.cfg
-    self._calib = (1.0, 0.0)
     if c.calibrate != "platt" or not self._slice_log:
-      return p_hat
+      return p_hat, (1.0, 0.0)
     pairs = [x for step in self._slice_log[-c.calibrate_window:] for x in step]
-    self._calib = allocation.platt_fit(np.asarray([x[1] for x in pairs]),
-                                       np.asarray([x[2] for x in pairs]), c.calibrate_prior)
-    return allocation.platt_apply(p_hat, *self._calib)
+    calib = allocation.platt_fit(np.asarray([x[1] for x in pairs]),
+                                 np.asarray([x[2] for x in pairs]), c.calibrate_prior)
+    return allocation.platt_apply(p_hat, *calib), calib
 
   # ---- online predictor metrics on a random slice of the pool ------------------------------------
   def _slice_requests(self, examples, p_root, use_predictor):
