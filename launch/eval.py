@@ -343,8 +343,13 @@ def main(argv):
     _fail(f"a prompt has {longest} tokens, not below max_seq_len={c.env.max_seq_len} "
           f"(raise --max_seq_len)")
   scfg = sampler_config_from(c)  # evaluation is greedy whatever the temperature
-  engine = SamplerEngine(graphdef, params, scfg, encode, decode,
-                         TreeEnvAdapter(env, golds_key="answers"), eos_id)
+  try:  # on a mesh as the train loop samples: pages and slots split over the data shards
+    engine = SamplerEngine(graphdef, params, scfg, encode, decode,
+                           TreeEnvAdapter(env, golds_key="answers"), eos_id,
+                           mesh=mesh if mesh.size > 1 else None)
+    engine.check_tree_fits(1, "a greedy rollout")
+  except ValueError as e:
+    _fail(f"sampler on mesh {dict(mesh.shape)}: {e}")
   res = evaluate(engine, examples, batch=_BATCH.value)
   out = dict(summarize(res, examples), checkpoint=ckpt_info, data=data_info,
              retriever=retr_desc, reward=c.env.reward, max_turns=c.env.max_turns,

@@ -21,6 +21,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from trace_jax.models.qwen3 import get_preset  # noqa: E402
+from trace_jax.parallel.micro_batch import padded_rows  # noqa: E402
 from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
 from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
                             format_table, plan_memory)
@@ -37,9 +38,9 @@ _HEADROOM = 0.9  # a plan fits a device when its peak is within 90% of the devic
 
 
 def _rows(train_rows: int, micro: int, dp: int) -> int:
-  """The packed batch's rows as `train.update_step` buckets them."""
-  m = math.lcm(micro, dp)
-  return max(m, -(-train_rows // m) * m)
+  """The packed batch's rows as the train loop pads them (`train.update_rows`): a multiple of
+  micro_batches x data x fsdp, the padding rows counted at full cost."""
+  return padded_rows(train_rows, micro, dp)
 
 
 def _settings(c, **over) -> dict:
@@ -123,6 +124,23 @@ def _configured_mesh(c, n_dev: int) -> str:
   return ",".join(f"{k}:{v}" for k, v in sizes.items())
 
 
+def _rows_and_trees(c, mesh: str, s: dict) -> str:
+  """The update's padded rows and whether one KV pool shard holds the largest tree (what
+  `SamplerEngine.check_tree_fits` checks when the run is built) on `mesh`."""
+  from trace_jax.train import largest_tree
+  sizes = parse_mesh_spec(mesh)
+  dp = sizes["data"] * sizes["fsdp"]
+  rows = _rows(s["train_rows"], s["micro_batches"], dp)
+  shards = dp if s["kv_pool"] == "sharded" else 1
+  per_shard = s["num_pages"] // shards - 1
+  need = largest_tree(c) * -(-s["seq_len"] // s["page_size"])
+  pad = f"{rows} update rows ({rows - s['train_rows']} of them padding)"
+  if per_shard >= need:
+    return f"{pad}; a pool shard holds {per_shard} pages, one tree needs at most {need}"
+  return (f"{pad}; a pool shard holds {per_shard} pages but one tree may need {need}: the run "
+          f"stops at build; raise num_pages to {(need + 1) * shards}")
+
+
 def report(c) -> str:
   lines = []
   s = _settings(c)
@@ -137,8 +155,10 @@ def report(c) -> str:
                ", ".join(f"{k} = {n} chips of {g} GB" for k, (n, g) in SLICES.items()) + ".\n")
   lines.append("Columns: weights = masters + sampler copy + init copy + KL reference; optim = "
                "AdamW mu + nu; update+ / decode+ = what the update / decode step adds on top of "
-               "the resident set; peak = resident + the larger step. n/a: the batch split fails "
-               "on that mesh (rows not divisible by data x fsdp x micro_batches).\n")
+               "the resident set; peak = resident + the larger step. The update's rows are "
+               "train_rows padded to a multiple of micro_batches x data x fsdp, as the train "
+               "loop pads them (`train.update_rows`); padding rows cost as much as real ones. "
+               "n/a: the plan could not be made for that split.\n")
   summary = []
   for preset in ("qwen3_8b", "qwen3_14b"):
     cfg = get_preset(preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
@@ -151,7 +171,8 @@ def report(c) -> str:
       cp = _plan(cfg, cm, s)
       state = ("cannot run: " + cp.error if cp.error else
                f"peak {cp.total_gb:.1f} GB, {'fits' if _fits(cp, gb) else 'does NOT fit'}")
-      summary.append(f"- {preset} on {name}, the config's own mesh `{c.mesh}` = {cm}: {state}.")
+      summary.append(f"- {preset} on {name}, the config's own mesh `{c.mesh}` = {cm}: {state}; "
+                     f"{_rows_and_trees(c, cm, s)}.")
       ok = [(m, p) for m, p in zip(meshes, plans) if _fits(p, gb)]
       if ok:
         m, p = min(ok, key=lambda mp: mp[1].total_gb)

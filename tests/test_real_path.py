@@ -238,3 +238,20 @@ def test_update_rows_split_evenly_into_sharded_micro_batches():
   assert update_rows(c, AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"))) == 9
   assert update_rows(c, AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor"))) == 9
   assert update_rows(c, AbstractMesh((8, 1, 1), ("data", "fsdp", "tensor"))) == 16
+
+
+def test_largest_tree_and_the_plan_pad_rows_as_the_loop_does():
+  """The build-time pool check sizes the largest tree a run starts (stage 1's cap bounded by the
+  budget, GRPO's groups, the probe's 8); the memory plan pads rows as `update_rows` does."""
+  from trace_jax.parallel.micro_batch import padded_rows
+  from trace_jax.train import largest_tree
+
+  c = _config("real_smoke")
+  assert largest_tree(c) == 8  # the probe: root_budget 4 over 2 prompts leaves a cap of 4
+  c.eval.probe_prompts = 0
+  # stage 1: min(cap 4, 4 - 1 x min_per_prompt) vs GRPO's group (4 + 2) / 2 = 3
+  assert largest_tree(c) == max(3, min(4, 4 - c.rollout.min_per_prompt))
+  c.rollout.root_budget, c.rollout.max_per_prompt = 40, 32
+  assert largest_tree(c) == min(32, 40 - c.rollout.min_per_prompt)
+  assert padded_rows(512, 32, 64) == 2048 and padded_rows(512, 32, 4) == 512
+  assert padded_rows(3, 1, 1) == 3 and padded_rows(0, 2, 2) == 4

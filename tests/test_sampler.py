@@ -271,3 +271,11 @@ def test_multi_step_decode_equals_one_step_per_call(model):
              for t in trees for n in t.nodes[1:])
   host_only.release()
   assert host_only.alloc.num_free == host_only.alloc.capacity
+
+
+def test_check_tree_fits_names_the_pages_needed(model):
+  eng = make_engine(model, num_pages=64)  # 63 usable pages; max_seq_len 96 / page_size 4 = 24
+  eng.check_tree_fits(2)  # 48 pages
+  with pytest.raises(ValueError, match=r"3 rollouts x 24 pages .* needs 72 pages .* holds 63 "
+                                       r"\(num_pages 64\); raise num_pages to at least 73"):
+    eng.check_tree_fits(3)

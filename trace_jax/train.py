@@ -43,7 +43,7 @@ from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
-from trace_jax.parallel.micro_batch import row_shards
+from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
@@ -184,6 +184,7 @@ def build(c, validate_fn=None) -> Run:
   engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
                          mesh=mesh if mesh.size > 1 else None)
+  engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
   predict = make_predictor(pred_graphdef)
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
@@ -469,10 +470,26 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   return state, rec
 
 
+def largest_tree(c) -> int:
+  """The most rollouts one tree of a run starts from its root: a GRPO-style group (the whole
+  per-step budget spread over the prompts), stage 1's per-prompt cap (bounded by what the budget
+  leaves after every other prompt's minimum), the warm-start probe's 8 samples, or a metric-slice
+  tree. Stage-2 continuations are not counted (see `SamplerEngine.check_tree_fits`)."""
+  r = c.rollout
+  n = max(int(r.prompts_per_step), 1)
+  group = -(-(r.root_budget + r.prefix_budget) // n)
+  cap = max(r.max_per_prompt, -(-r.root_budget // n))
+  stage1 = min(cap, r.root_budget - (n - 1) * r.min_per_prompt)
+  probe = 8 if c.eval.probe_prompts > 0 else 0
+  slice_ = r.metric_rollouts if r.metric_slice > 0 else 0
+  return int(max(group, stage1, probe, slice_))
+
+
 def update_rows(c, mesh) -> int:
   """Packed rows per update: `rl.train_rows` rounded up to a multiple of `rl.micro_batches` x the
   row shards of the mesh (data x fsdp), so every micro-batch splits evenly over the shards."""
-  return _bucket(c.rl.train_rows, c.rl.micro_batches * row_shards(mesh if mesh.size > 1 else None))
+  return padded_rows(c.rl.train_rows, c.rl.micro_batches,
+                     row_shards(mesh if mesh.size > 1 else None))
 
 
 def check_divergence(run: Run, state: LoopState, rec: dict) -> None:

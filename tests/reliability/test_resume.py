@@ -80,8 +80,8 @@ def test_resumed_run_equals_uninterrupted_run(run, tmp_path):
 def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
   work = str(tmp_path / "preempted")
   # The KV pool's slots and pages split over 8 shards; a tree lives on one shard, so each shard's
-  # pages must hold a whole tree (the probe's 8 rollouts of a prompt).
-  eight = ("--config.rollout.num_slots=8", "--config.rollout.num_pages=1024")
+  # pages must hold a whole tree (the probe's 8 rollouts of max_seq_len: 192 of 256 pages).
+  eight = ("--config.rollout.num_slots=8", "--config.rollout.num_pages=2048")
   cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), *args_in(run, work, 3, *eight)]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(devices=8), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

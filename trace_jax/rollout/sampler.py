@@ -218,6 +218,24 @@ class SamplerEngine:
     d = self.model_cfg.hidden_size
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
+  def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
+    """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
+    each (the worst case of one tree, no prefix shared): a tree's pages all live on the data shard
+    it was placed on, so a tree larger than a shard's page range cannot be sampled. Callers pass
+    the largest tree they will request (e.g. the train loop: stage 1's per-prompt cap, the probe's
+    8 samples). Stage-2 continuations fork from pages the tree already holds and are not counted:
+    one that finds its shard full ends its turn as `pool_exhausted`."""
+    cfg = self.cfg
+    need = int(branches) * cfg.max_pages_per_seq
+    have = self.alloc.pages_per_shard - 1  # one null page per shard
+    if need > have:
+      where = (f"one of the {self.shards} data shards" if self.shards > 1 else "the pool")
+      raise ValueError(
+          f"{what} of {branches} rollouts x {cfg.max_pages_per_seq} pages (max_seq_len "
+          f"{cfg.max_seq_len} / page_size {cfg.page_size}) needs {need} pages on one shard, but "
+          f"{where} holds {have} (num_pages {cfg.num_pages}); raise num_pages to at least "
+          f"{(need + 1) * self.shards}" + (" or use fewer data shards" if self.shards > 1 else ""))
+
   def release(self, trees: Sequence[Tree] | None = None) -> None:
     """Drops every page reference held by `trees` (all live trees if None), and the environment's
     per-node state when the env callback keeps one (it has a `release(trees)` method)."""
