@@ -1,4 +1,7 @@
-"""The memory plan against XLA's own figures; prints a JSON summary.
+"""The memory plan against XLA's own figures; prints a JSON summary (and writes it with --out).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/scripts/plan_check.py \
+      --mode both --out results/plan_check.json
 
 Run by tests/test_plan.py in a fresh process with 8 fake CPU devices, mesh data:2,fsdp:2,tensor:2:
 compiles (never runs) the update step as `train.build` jits it and the sampler's decode step, and
@@ -113,6 +116,8 @@ def main():
   ap.add_argument("--slots", type=int, default=16)
   ap.add_argument("--pages", type=int, default=1024)
   ap.add_argument("--page_size", type=int, default=16)
+  ap.add_argument("--out", default=None, help="also write the JSON (with each step's plan/measured "
+                  "ratio) to this file")
   a = ap.parse_args()
   assert len(jax.devices()) == 8, jax.devices()
   res = {}
@@ -120,7 +125,17 @@ def main():
     res["update"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab)
   if a.mode in ("decode", "both"):
     res["decode"] = decode_check(a.slots, a.pages, a.page_size, a.seq_len, a.vocab)
+  for step in res.values():
+    step["plan_over_measured"] = {k: step["plan"][k] / step["measured"][k]
+                                  for k in ("argument", "total") if step["measured"].get(k)}
   print(json.dumps(res))
+  if a.out:
+    res["command"] = ("XLA_FLAGS=--xla_force_host_platform_device_count=8 python "
+                      "tests/scripts/plan_check.py " + " ".join(
+                          f"--{k}={v}" for k, v in vars(a).items() if k != "out"))
+    res["mesh"], res["jax"] = MESH, jax.__version__
+    with open(a.out, "w") as f:
+      json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
