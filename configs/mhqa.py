@@ -153,13 +153,44 @@ def _base():
   return c
 
 
+def _real_smoke(c) -> None:
+  """The qwen3 code path at toy size (CI), on top of the smoke settings: a local HF checkpoint and
+  tokenizer, Search-R1 data and a retrieval server, all given on the command line (model.path,
+  data.*, retriever.url). Only what differs from the smoke variant is set here."""
+  c.model.dtype = "bfloat16"
+  c.model.param_dtype = "bfloat16"
+  c.model.predictor_hidden = 32
+  c.retriever.kind = "http"
+  c.retriever.topk = 1
+  c.retriever.timeout_s = 5.0
+  c.env.max_turns = 2
+  c.env.max_turn_tokens = 12
+  c.env.max_obs_tokens = 32
+  c.env.max_seq_len = 256
+  c.rollout.prompts_per_step = 2
+  c.rollout.candidate_prompts = 2
+  c.rollout.root_budget = 4
+  c.rollout.prefix_budget = 2
+  c.rollout.max_per_prompt = 4
+  c.rollout.metric_slice = 0
+  c.rollout.num_slots = 4      # the smoke pool of 1024 pages holds a tree per data x fsdp shard
+  c.rl.lr = 1e-6
+  c.rl.micro_batches = 2
+  c.rl.train_rows = 4
+  c.rl.kl_coef = 0.001
+  c.rl.entropy_coef = 0.01     # a gradient even when a random policy earns no reward
+  c.rl.remat = "dots"
+  c.rl.predictor_fit_steps = 5
+  c.eval.size = 4
+
+
 def get_config(arg: str | None = None):
   variant = arg or "tiny"
   c = _base()
   c.variant = variant
   if variant == "tiny":
     pass
-  elif variant == "smoke":
+  elif variant in ("smoke", "real_smoke"):
     c.world.cache_dir = "cache/smoke"
     c.sft.num_traces = 600
     c.sft.steps = 8
@@ -179,6 +210,8 @@ def get_config(arg: str | None = None):
     c.eval.size = 8
     c.eval.probe_prompts = 4
     c.ckpt.every = 1
+    if variant == "real_smoke":
+      _real_smoke(c)
   elif variant in ("qwen3_8b", "qwen3_14b"):
     c.model.preset = variant
     c.model.dtype = "bfloat16"
@@ -209,38 +242,6 @@ def get_config(arg: str | None = None):
     # fsdp:4 puts params, masters and moments on 4x fewer copies: `python launch/plan.py
     # --config=configs/mhqa.py:qwen3_14b` (results/plan_qwen3.md) has 14B fitting v5p-64 only so.
     c.mesh = "data:-1,fsdp:4,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:4,tensor:4"
-  elif variant == "real_smoke":
-    # The qwen3 code path at toy size (CI): a local HF checkpoint and tokenizer, Search-R1 data and
-    # a retrieval server, all given on the command line (model.path, data.*, retriever.url).
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "bfloat16"
-    c.model.predictor_hidden = 32
-    c.retriever.kind = "http"
-    c.retriever.topk = 1
-    c.retriever.timeout_s = 5.0
-    c.env.max_turns = 2
-    c.env.max_turn_tokens = 12
-    c.env.max_obs_tokens = 32
-    c.env.max_seq_len = 256
-    c.rollout.prompts_per_step = 2
-    c.rollout.candidate_prompts = 2
-    c.rollout.root_budget = 4
-    c.rollout.prefix_budget = 2
-    c.rollout.max_per_prompt = 4
-    c.rollout.metric_slice = 0
-    c.rollout.num_slots = 4
-    c.rollout.num_pages = 1024   # per data x fsdp shard a whole tree: 256 pages on a (2,2,2) mesh
-    c.rl.lr = 1e-6
-    c.rl.steps = 2
-    c.rl.micro_batches = 2
-    c.rl.train_rows = 4
-    c.rl.kl_coef = 0.001
-    c.rl.entropy_coef = 0.01     # a gradient even when a random policy earns no reward
-    c.rl.remat = "dots"
-    c.rl.predictor_fit_steps = 5
-    c.eval.every = 2
-    c.eval.size = 4
-    c.ckpt.every = 1
   else:
     raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b, qwen3_14b or "
                      f"real_smoke")
@@ -307,6 +308,7 @@ def validate(c) -> None:
     raise ValueError(f"env.max_seq_len={e.max_seq_len} must exceed env.max_turn_tokens="
                      f"{e.max_turn_tokens}")
 
+  from trace_jax.assets import parse_hops
   parse_hops(c.data.train_hops)  # raises on a malformed list
 
   # ---- rollouts and budgets
@@ -383,21 +385,6 @@ def _get(c, dotted):
   for k in dotted.split("."):
     c = c[k]
   return c
-
-
-def parse_hops(spec: str) -> tuple[int, ...]:
-  """`data.train_hops` ("3,4") as a tuple of hop counts; () means every hop count."""
-  spec = str(spec).strip()
-  if not spec:
-    return ()
-  try:
-    hops = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
-  except ValueError:
-    raise ValueError(f"data.train_hops={spec!r} must be comma-separated hop counts such as "
-                     f"'3,4' (or '' for all)") from None
-  if not hops or min(hops) < 1:
-    raise ValueError(f"data.train_hops={spec!r}: hop counts are integers >= 1")
-  return hops
 
 
 def _at_least(c, dotted, low, note=""):

@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 import mhqa  # noqa: E402
 
+from trace_jax import assets  # noqa: E402
 from trace_jax.assets import sft_seed, warm_start_key  # noqa: E402
 
 
@@ -47,9 +48,9 @@ def test_train_hops_filters_training_questions_only():
   assert [ex.get("hops") or ex["meta"]["hops"] for ex in kept] == [3, 4, 3, 4]
   with pytest.raises(ValueError, match="keeps none"):
     select_hops(_cfg(data__train_hops="7"), train)
-  assert mhqa.parse_hops(" 4, 3,") == (3, 4)
+  assert assets.parse_hops(" 4, 3,") == (3, 4)
   for bad in ("three", "0,1"):
     with pytest.raises(ValueError, match="train_hops"):
-      mhqa.parse_hops(bad)
+      assets.parse_hops(bad)
   # The warm start does not depend on the training mix.
   assert warm_start_key(_cfg(data__train_hops="3,4")) == warm_start_key(_cfg())

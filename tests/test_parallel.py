@@ -1,6 +1,5 @@
 """Sharding on 8 fake CPU devices and a two-process run, each in a fresh interpreter."""
 
-import json
 import os
 import socket
 import subprocess
@@ -9,20 +8,13 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from devices import device_env, last_json
 from trace_jax.parallel import logical_to_spec, make_mesh, parse_mesh_spec
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sharded_step.py")
 
 
-def _env(devices):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
-def _last_json(out):
-  return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+_env, _last_json = device_env, last_json
 
 
 def test_mesh_2x2x2_forward_loss_grad_equal_single_device():

@@ -1,17 +1,13 @@
 """The memory plan: its terms follow the code's layouts, and its per-device figures agree with
 XLA's `memory_analysis()` of the compiled update and decode steps on mesh (2,2,2)."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from devices import run_on_devices
 from trace_jax import plan
 from trace_jax.models.qwen3 import get_preset
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "plan_check.py")
 Q14 = get_preset("qwen3_14b", dtype="bfloat16", param_dtype="bfloat16")
 
 
@@ -91,12 +87,7 @@ def test_plan_matches_compiled_memory_analysis_on_mesh_2x2x2():
   plan is told; and its figure does not shrink with remat ("dots" and "full" report about the same
   temp as "none", 88 and 90 MB vs 90 MB for these shapes), so remat savings are not cross-checked
   here: the update runs remat="none" (UpdateConfig's default and the tiny and smoke configs')."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, SCRIPT, "--mode", "both"], env=env, capture_output=True,
-                     text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+  res = run_on_devices("plan_check.py", "--mode", "both", timeout=900)
   for step in ("update", "decode"):
     got, want = res[step]["measured"], res[step]["plan"]
     # Arguments (state or weights + pool, batch) are exact layouts: within 1%.

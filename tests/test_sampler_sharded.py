@@ -1,21 +1,11 @@
 """The sampler engine on mesh (data 2, fsdp 2, tensor 2) of 8 fake CPU devices, in a fresh
 interpreter: the same greedy trees as one device, the pool split as designed, no pool gather."""
 
-import json
-import os
-import subprocess
-import sys
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sampler_mesh.py")
+from devices import run_on_devices
 
 
 def test_engine_on_mesh_2x2x2_matches_one_device_and_keeps_the_pool_split():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True,
-                     timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+  res = run_on_devices("sampler_mesh.py", timeout=900)
   # Greedy trees (stage 1 and forks at depths 0-2) token-identical to the single-device engine,
   # and log-probs and features equal to a plain forward.
   assert res["same_tokens_as_one_device"] and res["forks"] >= 9

@@ -8,7 +8,6 @@ Interpret compiles are slow (seconds each): shapes are tiny and shared between t
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from devices import run_on_devices
 from test_tree_attention import assert_close, make_tree, oracle
 
 ta = importlib.import_module("trace_jax.kernels.tree_attention")
@@ -212,18 +212,13 @@ def test_compiles_with_mosaic_for_tpu():
 # shard_map wrapper on 8 simulated devices (a fresh process: the device count is fixed at start).
 # ---------------------------------------------------------------------------------------------
 
-SHARDED_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "tree_attention_sharded.py")
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_tpu_interpret"])
 def test_sharded_on_mesh_matches_single_device_without_gathers(impl):
   # Mesh (data 2, fsdp 2, tensor 2): one tree per data shard with global page and slot ids, KV
   # heads split over tensor. Same result as the single-device reference, no all-gather in the HLO.
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run([sys.executable, SHARDED_SCRIPT, impl], env=env, capture_output=True,
-                        text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_devices("tree_attention_sharded.py", impl, timeout=300)
   assert result["finite"]
   assert result["max_err"] < 1e-5
   assert result["all_gathers"] == 0

@@ -1,20 +1,10 @@
 """The RL update on mesh (2,2,2) of 8 fake CPU devices, in a fresh interpreter."""
 
-import json
-import os
-import subprocess
-import sys
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sharded_step.py")
+from devices import run_on_devices
 
 
 def test_update_on_mesh_2x2x2_keeps_rows_split_and_matches_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, SCRIPT, "--mode", "update"], env=env, capture_output=True,
-                     text=True, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+  res = run_on_devices("sharded_step.py", "--mode", "update")
   # 16 rows / (data 2 x fsdp 2) / 2 micro-batches: every attention matmul of the compiled update
   # multiplies 2 rows per device.
   assert res["expected_rows_per_device"] == 2

@@ -147,10 +147,25 @@ def check_model_dir(path: str, tokenizer_path: str = "") -> None:
                             f"vocab.json + merges.txt)")
 
 
+def parse_hops(spec: str) -> tuple[int, ...]:
+  """`data.train_hops` ("3,4") as a tuple of hop counts; () means every hop count."""
+  spec = str(spec).strip()
+  if not spec:
+    return ()
+  try:
+    hops = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
+  except ValueError:
+    raise ValueError(f"data.train_hops={spec!r} must be comma-separated hop counts such as "
+                     f"'3,4' (or '' for all)") from None
+  if not hops or min(hops) < 1:
+    raise ValueError(f"data.train_hops={spec!r}: hop counts are integers >= 1")
+  return hops
+
+
 def select_hops(c, train: list) -> list:
   """The training examples whose hop count is in `data.train_hops` (all when it is empty); an
   example's hop count is its `hops` field or `meta["hops"]`. Held-out data is never filtered."""
-  hops = {int(x) for x in str(c.data.get("train_hops", "")).split(",") if x.strip()}
+  hops = set(parse_hops(c.data.get("train_hops", "")))
   if not hops:
     return train
   count = lambda ex: ex.get("hops") if ex.get("hops") is not None else ex["meta"].get("hops")  # noqa: E731
