@@ -204,16 +204,19 @@ def _done(calls):
 
 
 def our_engine(graphdef, state, *, slots: int, max_seq_len: int, turn_tokens: int, turns: int,
-               prefill_chunk: int, prefill_rows: int, decode_steps: int, greedy=False,
-               env=_done, obs_tokens: int = 0, group: int = 8, tree_attention=True):
+               prefill_chunk, prefill_rows: int, decode_steps: int, greedy=False,
+               env=_done, obs_tokens: int = 0, group: int = 8, tree_attention=True,
+               page_buckets=()):
+  """Our engine for one workload (`page_buckets` (): the engine's default, powers of two)."""
   ps = 16
   cfg = SamplerConfig(num_slots=slots, page_size=ps,
                       num_pages=slots * (-(-max_seq_len // ps) + 2) + 8, max_seq_len=max_seq_len,
                       max_turn_tokens=turn_tokens, max_obs_tokens=max(obs_tokens, 1),
-                      max_turns=turns, prefill_chunk=(prefill_chunk,),
+                      max_turns=turns, prefill_chunk=tuple(np.atleast_1d(prefill_chunk).tolist()),
                       prefill_batch=prefill_rows, temperature=1.0, top_p=1.0, greedy=greedy,
                       use_tree_attention=tree_attention, max_group_size=min(group, slots),
-                      leaf_features=False, decode_steps=decode_steps)
+                      leaf_features=False, decode_steps=decode_steps,
+                      page_buckets=page_buckets)
   return SamplerEngine(graphdef, state, cfg, TOK.encode, TOK.decode, env, eos_id=None,
                        stop_strings=())
 
@@ -352,10 +355,15 @@ def tree_workload(graphdef, state, cfg, tmodel, *, prompts, rollouts, turns, for
   plan = tree_plan(prompts, rollouts, turns, forks, turn_tokens, obs_tokens, prompt_len)
   max_ctx = max(c for _, c in plan["tunix_batches"])
   slots = prompts * rollouts * forks
+  # Observation prefills (a turn's pending token + the observation) in a small chunk bucket, the
+  # observations of a stage-1 turn in one call.
+  obs_bucket = 1 << obs_tokens.bit_length()
+  prefill_rows = prompts * rollouts
   engine = our_engine(graphdef, state, slots=slots,
                       max_seq_len=prompt_len + turns * (turn_tokens + obs_tokens) + 16,
-                      turn_tokens=turn_tokens, turns=turns, prefill_chunk=prompt_len,
-                      prefill_rows=prompts, decode_steps=decode_steps,
+                      turn_tokens=turn_tokens, turns=turns,
+                      prefill_chunk=(obs_bucket, prompt_len), prefill_rows=prefill_rows,
+                      decode_steps=decode_steps,
                       env=TreeEnv(turns, obs_tokens), obs_tokens=obs_tokens,
                       group=max(rollouts, forks), tree_attention=tree_attention)
   acc = instrument(engine)
@@ -408,7 +416,8 @@ def tree_workload(graphdef, state, cfg, tmodel, *, prompts, rollouts, turns, for
           "tunix_prefill_tokens_unpadded": plan["prefill_tokens_tunix"],
           "tunix_cache_size": bucket + turn_tokens,
           "ours": {"num_slots": slots, "decode_steps": engine.cfg.decode_steps, "page_size": 16,
-                   "tree_attention": tree_attention, "prefill_chunk": prompt_len,
+                   "tree_attention": tree_attention,
+                   "prefill_chunk": [obs_bucket, prompt_len], "prefill_batch": prefill_rows,
                    "leaf_features": False}}
   return ours, tunix, meta
 
@@ -417,6 +426,7 @@ def interleave(name, ours, tunix, reps, flops_tok, gflops):
   """First call of each compiles; then `reps` rounds of (ours, Tunix)."""
   samples = {"ours": [], "tunix": []}
   first, parts = {}, []
+  load0 = os.getloadavg()
   for r in range(reps + 1):
     for who, fn in (("ours", ours), ("tunix", tunix)):
       n, wall, extra = fn()
@@ -428,6 +438,7 @@ def interleave(name, ours, tunix, reps, flops_tok, gflops):
           parts.append(extra)
   res = summarize(samples["ours"], samples["tunix"])
   res["samples_tok_s"] = samples
+  res["load_avg_start"], res["load_avg_end"] = load0, os.getloadavg()
   # Where our timed calls spend their wall time (medians over the calls).
   res["ours_breakdown_s"] = {k: float(np.median([p[k] for p in parts])) for k in parts[0]}
   for who in ("ours", "tunix"):
@@ -492,6 +503,9 @@ def main():
   ap.add_argument("--tree-models", default="l2_d128",
                   help="models that run the multi-turn tree workload (it re-prefills every "
                        "context on the Tunix side: minutes per call on the larger model here)")
+  ap.add_argument("--merge", action="store_true",
+                  help="keep the workloads of an existing --out JSON that this run does not "
+                       "measure (each workload records the run it comes from)")
   ap.add_argument("--attention", choices=("tree", "plain"), default="tree",
                   help="our engine's decode attention (tree: shared pages read once per group)")
   args = ap.parse_args()
@@ -523,10 +537,24 @@ def main():
       "sanity": {}, "workloads": {}}
   workloads = args.workloads.split(",")
 
+  run_id = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+  result["machine"]["run"] = run_id
+  kept = {"workloads": {}, "sanity": {}, "runs": []}
+  if args.merge and os.path.exists(args.out + ".json"):
+    with open(args.out + ".json") as f:
+      old = json.load(f)
+    kept = {"workloads": old["workloads"], "sanity": old["sanity"],
+            "runs": old.get("earlier_runs", []) + [old["machine"]]}
+
   def save():  # after every workload, so a cut run keeps what it measured
     result["wall_s"] = time.perf_counter() - t_start
+    out = dict(result, workloads={**kept["workloads"], **result["workloads"]},
+               sanity={**kept["sanity"], **result["sanity"]})
+    if kept["runs"]:
+      out["earlier_runs"] = kept["runs"]
     with open(args.out + ".json", "w") as f:
-      json.dump(result, f, indent=1)
+      json.dump(out, f, indent=1)
+    return out
 
   models = args.models.split(",")
   for mname in models:
@@ -544,7 +572,8 @@ def main():
                                   gen=gen, group=1, decode_steps=args.decode_steps or gen,
                                   tree_attention=args.attention == "tree")
       res = interleave(f"plain_{mname}", o, t, reps, flops_tok, gflops0)
-      result["workloads"][f"plain_{mname}"] = {"model": mname, "workload": meta, **res}
+      result["workloads"][f"plain_{mname}"] = {"model": mname, "run": run_id, "workload": meta,
+                                               **res}
       save()
     if "grpo" in workloads:
       o, t, meta = plain_workload(graphdef, state, cfg, tmodel, rows=8 * grpo_prompts,
@@ -552,7 +581,8 @@ def main():
                                   decode_steps=args.decode_steps or gen,
                                   tree_attention=args.attention == "tree")
       res = interleave(f"grpo_{mname}", o, t, reps, flops_tok, gflops0)
-      result["workloads"][f"grpo_{mname}"] = {"model": mname, "workload": meta, **res}
+      result["workloads"][f"grpo_{mname}"] = {"model": mname, "run": run_id, "workload": meta,
+                                              **res}
       save()
     if "tree" in workloads and mname in args.tree_models.split(","):
       tt = 16 if args.quick else 32
@@ -563,21 +593,22 @@ def main():
                                  decode_steps=args.decode_steps or tt,
                                  tree_attention=args.attention == "tree")
       res = interleave(f"tree_{mname}", o, t, reps, flops_tok, gflops0)
-      result["workloads"][f"tree_{mname}"] = {"model": mname, "workload": meta, **res}
+      result["workloads"][f"tree_{mname}"] = {"model": mname, "run": run_id, "workload": meta,
+                                              **res}
       save()
   gflops1 = matmul_gflops()
   gflops = float(np.median([gflops0, gflops1]))
   result["machine"].update({"matmul_gflops_start": gflops0, "matmul_gflops_end": gflops1,
                             "matmul_gflops_used": gflops, "load_avg_end": os.getloadavg()})
-  for w in result["workloads"].values():  # MFU against the run's median matmul rate
+  for w in result["workloads"].values():  # MFU against this run's median matmul rate
     flops_tok = result["machine"][f"decode_flops_per_token_{w['model']}"]
     for who in ("ours", "tunix"):
       w[f"{who}_mfu"] = w[f"{who}_tok_s"] * flops_tok / (gflops * 1e9)
+    w["mfu_matmul_gflops"] = gflops
   print(f"[machine] f32 matmul at the end: {gflops1:.1f} GFLOP/s, load {os.getloadavg()}")
   result["targets"] = {"plain_l8_d512": 1.0, "plain_l2_d128": 1.2, "grpo": 2.0,
                        "note": "issue targets for ours / Tunix; reported as measured"}
-  save()
-  plot(result, args.out + ".png")
+  plot(save(), args.out + ".png")
   print(f"wrote {args.out}.json and .png in {result['wall_s']:.0f}s")
 
 

@@ -45,7 +45,8 @@ def test_tree_plan_counts_what_our_engine_generates():
   graphdef, state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
   engine = bvt.our_engine(graphdef, state, slots=8, max_seq_len=48, turn_tokens=4, turns=3,
                           prefill_chunk=16, prefill_rows=2, decode_steps=4,
-                          env=bvt.TreeEnv(3, 3), obs_tokens=3, group=2)
+                          env=bvt.TreeEnv(3, 3), obs_tokens=3, group=2,
+                          page_buckets=(3,))  # one page-table width: one decode compilation
   rng = np.random.default_rng(0)
   trees = engine.run([PromptRequest(list(rng.integers(8, bvt.VOCAB, 10)), n=2) for _ in range(2)])
   engine.run([(t, n.id, 2) for t in trees for n in t.nodes if n.depth == 1])
