@@ -21,9 +21,10 @@ on identical requests: the first call of each compiles, the next `--reps` are ti
 second are compared. The compile time is the first call's wall time minus the median call.
 
 Workloads (all sampled at temperature 1, no top-p / top-k, no EOS: every row generates its budget):
-  plain_<model>: a batch of independent prompts (64 tokens, 128 generated per row), on a
-    2-layer 128-wide model (l2_d128) and an 8-layer 512-wide one (l8_d512);
-  grpo_<model>: groups of 8 samples of one prompt (512-token prompts, 128 generated); ours
+  plain_<model>: a batch of independent prompts (64 tokens, 128 generated per row; 32 rows on a
+    2-layer 128-wide model (l2_d128), 16 on an 8-layer 512-wide one (l8_d512), --plain-rows);
+  grpo_<model>: groups of 8 samples of one prompt (512-token prompts, 128 generated; 2 groups,
+    --grpo-prompts); ours
     prefills each prompt once and its 8 branches share the prompt's pages (tree attention), Tunix
     samples the batch of repeated prompts (its way to draw a group);
   tree_<model>: multi-turn rollouts with a fork round (a TRACE-like tree): per prompt (256 tokens)
@@ -31,11 +32,13 @@ Workloads (all sampled at temperature 1, no top-p / top-k, no EOS: every row gen
     2), then 2 forks from each rollout's first turn that run turns 2 and 3 again. Ours runs it
     with `PromptRequest` and `ForkRequest` (KV of the prompt and the anchors is kept and shared);
     Tunix runs each turn as a plain batch of the full contexts (prompt, turns, observations so
-    far), re-prefilled at every call.
+    far), re-prefilled at every call. By default on l2_d128 only (--tree-models): on the larger
+    model Tunix's re-prefills take minutes per call on this CPU.
 Our engine's settings: one slot per row, decode_steps = the turn length (one device call per turn
 on this workload; --decode-steps overrides), page size 16, tree attention on (it only changes
 anything where branches share pages), leaf features off (Tunix computes none), one prefill call
-for all prompts. Tunix: `Sampler` with a KV cache of exactly prompt bucket + generated tokens,
+for all prompts (tree workload: prompts and observations in 256- and 32-token chunk buckets, up to
+8 rows a call). Tunix: `Sampler` with a KV cache of exactly prompt bucket + generated tokens,
 `max_prompt_length` the prompt length (its power-of-two default for the multi-turn contexts),
 `temperature=1, top_p=1`.
 
@@ -44,9 +47,10 @@ head matrix), attention scores excluded; MFU = tok/s * that / the machine's meas
 GFLOP/s (a jitted 1024^3 matmul, timed at the start and the end of the run, median). The samplers'
 tok/s include prefill, so this is a lower bound of the decode MFU.
 
-Writes results/sampler_vs_tunix.json and .png (--out sets the stem). The machine may be shared:
-the JSON records the load average at the start and the end; compare the interleaved ratios, not
-the absolute numbers.
+Writes results/sampler_vs_tunix.json and .png (--out sets the stem; with --merge, workloads of
+the existing JSON that this run does not measure are kept, each tagged with its run). The machine
+may be shared: the JSON records the load average at the start and the end of the run and of each
+workload; compare the interleaved ratios, not the absolute numbers.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, Qwen3Config
-from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+from trace_jax.rollout.sampler import PromptRequest, SamplerConfig, SamplerEngine
 from trace_jax.rollout.testing import IdTokenizer
 
 VOCAB = 2048
@@ -509,8 +513,9 @@ def main():
   ap.add_argument("--attention", choices=("tree", "plain"), default="tree",
                   help="our engine's decode attention (tree: shared pages read once per group)")
   args = ap.parse_args()
-  import tunix  # noqa: F401  (fail early, before any work, when the venv lacks it)
   from importlib.metadata import version
+
+  import tunix  # noqa: F401  (fail early, before any work, when the venv lacks it)
 
   t_start = time.perf_counter()
   reps = args.reps or (1 if args.quick else 4)
