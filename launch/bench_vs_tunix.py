@@ -113,9 +113,13 @@ def tree_plan(prompts: int, rollouts: int, turns: int, forks: int, turn_tokens: 
 
 
 def summarize(ours: list[float], tunix: list[float]) -> dict:
-  """Medians of the two samplers' tok/s samples and their ratio (ours / Tunix)."""
+  """Medians of the two samplers' tok/s samples and their ratio (ours / Tunix); also the median
+  of the per-round ratios (round i: ours' call i and Tunix's call i, run back to back), which
+  drifts less when the machine's load changes during the run."""
   mo, mt = float(np.median(ours)), float(np.median(tunix))
-  return {"ours_tok_s": mo, "tunix_tok_s": mt, "ratio_ours_over_tunix": mo / mt}
+  pairs = [o / t for o, t in zip(ours, tunix)]
+  return {"ours_tok_s": mo, "tunix_tok_s": mt, "ratio_ours_over_tunix": mo / mt,
+          "round_ratios": pairs, "median_round_ratio": float(np.median(pairs))}
 
 
 # ---- machine ---------------------------------------------------------------------------------------
@@ -544,12 +548,15 @@ def main():
 
   run_id = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
   result["machine"]["run"] = run_id
-  kept = {"workloads": {}, "sanity": {}, "runs": []}
+  kept = {"workloads": {}, "sanity": {}, "runs": [], "superseded": []}
   if args.merge and os.path.exists(args.out + ".json"):
     with open(args.out + ".json") as f:
       old = json.load(f)
     kept = {"workloads": old["workloads"], "sanity": old["sanity"],
-            "runs": old.get("earlier_runs", []) + [old["machine"]]}
+            "runs": old.get("earlier_runs", []) + [old["machine"]],
+            "superseded": old.get("superseded", [])}
+    for w in kept["workloads"].values():  # summaries of older runs, recomputed from their samples
+      w.update(summarize(w["samples_tok_s"]["ours"], w["samples_tok_s"]["tunix"]))
 
   def save():  # after every workload, so a cut run keeps what it measured
     result["wall_s"] = time.perf_counter() - t_start
@@ -557,6 +564,9 @@ def main():
                sanity={**kept["sanity"], **result["sanity"]})
     if kept["runs"]:
       out["earlier_runs"] = kept["runs"]
+    # Workloads this run measured again: the earlier measurements stay in the file.
+    out["superseded"] = kept["superseded"] + [dict(v, name=k) for k, v in kept["workloads"].items()
+                                              if k in result["workloads"]]
     with open(args.out + ".json", "w") as f:
       json.dump(out, f, indent=1)
     return out

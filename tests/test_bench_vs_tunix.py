@@ -57,5 +57,6 @@ def test_tree_plan_counts_what_our_engine_generates():
 
 
 def test_summarize_medians_and_ratio():
-  out = bvt.summarize([10.0, 30.0, 20.0], [5.0, 4.0, 6.0])
-  assert out == {"ours_tok_s": 20.0, "tunix_tok_s": 5.0, "ratio_ours_over_tunix": 4.0}
+  out = bvt.summarize([10.0, 30.0, 20.0], [5.0, 4.0, 8.0])
+  assert out == {"ours_tok_s": 20.0, "tunix_tok_s": 5.0, "ratio_ours_over_tunix": 4.0,
+                 "round_ratios": [2.0, 7.5, 2.5], "median_round_ratio": 2.5}
