@@ -11,10 +11,14 @@ import logging
 import os
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax.checkpoint import Checkpointer
+from trace_jax.parallel.distributed import allgather_object, put_global
 from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
 
@@ -171,12 +175,16 @@ def load_world_assets(c) -> Assets:
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
   wdir = os.path.join(c.world.cache_dir, f"world-seed{c.world.seed}")
-  if os.path.exists(os.path.join(wdir, "world.json")):
-    world = World.load(wdir)
-  else:
+  world = None
+  # Several processes share the cache: the first one writes it, the others read it once written.
+  if not os.path.exists(os.path.join(wdir, "world.json")) and jax.process_index() == 0:
     world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
                                                 max_turns=c.env.max_turns))
     world.save(wdir)
+  if jax.process_count() > 1:
+    allgather_object(None)  # a barrier: the cache is complete past it
+  if world is None:
+    world = World.load(wdir)
   if not world.train or not world.test:  # an empty test set would report NaN accuracy
     raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
                      f"{len(world.test)} test questions; both must be non-empty (delete the "
@@ -271,8 +279,21 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
 
   d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{warm_start_key(c)}"))
   ck = Checkpointer(d, max_to_keep=1)
-  if ck.latest_step() is not None:
-    params, meta = ck.restore(params)
+  multi = jax.process_count() > 1
+  # Several processes: the cached params live on every device, replicated (orbax writes them
+  # collectively), and every process comes back with process 0's values on its own device.
+  everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), P()) if multi else None
+  latest = ck.latest_step()
+  if multi:
+    latest = allgather_object(latest)[0]  # process 0's view decides for all
+  if latest is not None:
+    if multi:
+      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+                            params)
+      restored, meta = ck.restore(target)
+      params = jax.tree.map(lambda x: x.addressable_data(0), restored)
+    else:
+      params, meta = ck.restore(params)
     log.info("warm start restored from %s", d)
     return params, dict(meta, cached=True, path=d)
   t0 = time.time()
@@ -289,5 +310,10 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
               expert_success=float(np.mean([r.trace.correct for r in recs])),
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
               seconds=time.time() - t0, final=hist[-1] if hist else {})
-  ck.save(c.sft.steps, params, info)
+  if multi:  # the processes trained alike; process 0's result is the one every process keeps
+    from jax.experimental import multihost_utils
+    params = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(params))
+    ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
+  else:
+    ck.save(c.sft.steps, params, info)
   return params, dict(info, cached=False, path=d)
