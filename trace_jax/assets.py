@@ -311,8 +311,7 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
               seconds=time.time() - t0, final=hist[-1] if hist else {})
   if multi:  # the processes trained alike; process 0's result is the one every process keeps
-    from jax.experimental import multihost_utils
-    params = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(params))
+    params = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, params))[0])
     ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
   else:
     ck.save(c.sft.steps, params, info)

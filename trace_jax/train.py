@@ -44,7 +44,7 @@ from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import (allgather_object, check_agree, fetch, initialize, local_mesh,
                                 make_mesh, shard_batch, shard_state)
-from trace_jax.parallel.distributed import put_global_tree
+from trace_jax.parallel.distributed import put_global_tree, run_global
 from trace_jax.parallel.micro_batch import row_shards
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
@@ -287,7 +287,7 @@ def build(c, validate_fn=None) -> Run:
              update=update, predict=predict, writer=writer, ckpt=ckpt, ref_params=ref_params,
              shardings=shardings, init_params=params,
              init_pred_params=pred_params, ucfg=ucfg,
-             init_param_norm=float(fetch(_global_norm(params))), warm_start=ws_info,
+             init_param_norm=float(fetch(run_global(_global_norm, params))), warm_start=ws_info,
              synthetic=synthetic, t_start=t_start)
 
 
@@ -399,8 +399,7 @@ def _fit_predictor(run: Run, train_state: dict, trees, steps=None) -> tuple[dict
   # (several processes: each fits the same host copy on the same data, process 0's result kept)
   ps, info = run.fitter.fit(_host(train_state["pred_params"]), steps=steps)
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    ps = jax.tree.map(jnp.asarray, multihost_utils.broadcast_one_to_all(ps))
+    ps = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, ps))[0])
   if run.shardings is not None:
     ps = put_global_tree(ps, run.shardings["pred_params"])
   return dict(train_state, pred_params=ps), info
@@ -506,7 +505,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     if state.step in _inject_nan_steps(c):  # fault injection (launch/chaos.py): a NaN loss
       batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
-    train_state, m = run.update(train_state, batch)
+    train_state, m = run_global(run.update, train_state, batch)
     m = jax.device_get(m) if jax.process_count() == 1 else _host(m)
     rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})

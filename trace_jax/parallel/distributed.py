@@ -81,23 +81,76 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 # ---- host objects across processes ---------------------------------------------------------------
-def _bucket_bytes(n: int) -> int:
-  """Padded payload size: powers of two from 4 KiB, so the gather compiles for few shapes."""
-  return max(4096, 1 << (int(n) - 1).bit_length())
+# Host data goes through the coordination service's key-value store, not through device
+# collectives: a process may reach a gather long after the others (its sampling ran longer), and
+# every wait has an explicit timeout (`TRACE_JAX_GATHER_TIMEOUT` seconds, default one hour).
+_CHUNK = 1 << 20  # bytes per stored value
+_seq = {"gather": 0, "barrier": 0}
+
+
+def _client():
+  from jax._src import distributed as jd  # the runtime client `initialize` connected
+  if jd.global_state.client is None:
+    raise RuntimeError("several JAX processes but no distributed client: call initialize() first")
+  return jd.global_state.client
+
+
+def _timeout_ms() -> int:
+  return int(float(os.environ.get("TRACE_JAX_GATHER_TIMEOUT") or 3600) * 1000)
 
 
 def allgather_object(obj) -> list:
   """Every process's `obj` (picklable), in process order, on every process. A collective: every
-  process must call it, in the same order. With one process: `[obj]`."""
+  process must call it, in the same order (it waits for the others, up to the gather timeout).
+  With one process: `[obj]`."""
   if jax.process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils
-  blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64)))
-  buf = np.zeros(_bucket_bytes(int(sizes.max())), np.uint8)
-  buf[:blob.size] = blob
-  bufs = np.asarray(multihost_utils.process_allgather(buf))
-  return [pickle.loads(bufs[i, :int(sizes[i, 0])].tobytes()) for i in range(bufs.shape[0])]
+  client, rank, n = _client(), jax.process_index(), jax.process_count()
+  seq = _seq["gather"]
+  _seq["gather"] += 1
+  blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  chunks = [blob[i:i + _CHUNK] for i in range(0, len(blob), _CHUNK)] or [b""]
+  base = f"trace_jax/gather/{seq}"
+  for i, c in enumerate(chunks):
+    client.key_value_set_bytes(f"{base}/{rank}/{i}", c)
+  client.key_value_set(f"{base}/{rank}/n", str(len(chunks)))
+  out = []
+  for p in range(n):
+    k = int(client.blocking_key_value_get(f"{base}/{p}/n", _timeout_ms()))
+    out.append(pickle.loads(b"".join(client.blocking_key_value_get_bytes(f"{base}/{p}/{i}",
+                                                                         _timeout_ms())
+                                     for i in range(k))))
+  if seq:  # every process has written this gather, so all have read the previous one: drop it
+    client.key_value_delete(f"trace_jax/gather/{seq - 1}/{rank}")
+  return out
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reached the same barrier (up to the gather timeout)."""
+  if jax.process_count() == 1:
+    return
+  seq = _seq["barrier"]
+  _seq["barrier"] += 1
+  _client().wait_at_barrier(f"trace_jax/{name}/{seq}", _timeout_ms())
+
+
+def run_global(fn, *args):
+  """Calls the jitted `fn` on arrays of a mesh that spans several processes. The first call of
+  each signature is compiled on its own, then the processes meet at a barrier before it runs: CPU
+  collectives (gloo) give a process only 30 s to join a new communicator, and compile times
+  differ between processes. One process: `fn(*args)`."""
+  if jax.process_count() == 1:
+    return fn(*args)
+  leaves, tree = jax.tree.flatten(args)
+  key = (id(fn), tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
+                              getattr(x, "sharding", None)) for x in leaves))
+  if key not in _COMPILED:
+    _COMPILED[key] = fn.lower(*args).compile()
+    barrier("compiled")
+  return _COMPILED[key](*args)
+
+
+_COMPILED: dict = {}
 
 
 def check_agree(name: str, value) -> None:
@@ -194,9 +247,9 @@ def to_local(tree, mesh: Mesh, local_shardings):
   if len(local) != len(flat):
     raise ValueError(f"{len(flat)} arrays but {len(local)} shardings")
   target = tuple(NamedSharding(pmesh, s.spec) for s in local)
-  if target not in _RESHARD:  # one compiled resharding per layout (once per run)
+  if target not in _RESHARD:  # one resharding program per layout (once per run)
     _RESHARD[target] = jax.jit(_identity, out_shardings=list(target))
-  moved = _RESHARD[target](flat)
+  moved = run_global(_RESHARD[target], flat)
   out = [jax.make_array_from_single_device_arrays(x.shape, s, [sh.data for sh in
                                                                 y.addressable_shards])
          for x, s, y in zip(flat, local, moved)]
