@@ -62,6 +62,8 @@ def _base():
   c.retriever.batch_size = 64    # queries per request
   c.retriever.concurrency = 1    # requests in flight per search batch
   c.retriever.health_check = True  # GET /health before the first step: a dead URL fails at once
+  c.retriever.fail_on_process = -1  # fault injection for tests: every search of this process of a
+                                   # multi-process run fails (-1: none)
 
   c.env = ml_collections.ConfigDict()
   c.env.reward = "em"       # em | f1 | em_format

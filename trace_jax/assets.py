@@ -110,13 +110,27 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
   return info
 
 
+class FailingRetriever:
+  """A retriever whose every search raises (fault injection): the environment turns each failure
+  into an error observation and the rollouts go on."""
+
+  def __init__(self, why: str):
+    self.why = why
+
+  def search(self, queries, topk):
+    raise ConnectionError(f"injected retriever failure ({self.why})")
+
+
 def build_env(c, assets: "Assets"):
   """The run's `MultiHopEnv`: top-k passages per search, observations capped in bytes
   (`env.max_obs_bytes`) and in tokens (`env.max_obs_tokens`, under the policy's tokenizer) with
   the closing tag kept."""
   from trace_jax.envs.env import DEFAULT_MAX_OBS_BYTES, MultiHopEnv
 
-  return MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
+  retriever = assets.retriever
+  if c.retriever.get("fail_on_process", -1) == jax.process_index():  # fault injection (tests)
+    retriever = FailingRetriever(f"retriever.fail_on_process={jax.process_index()}")
+  return MultiHopEnv(retriever, c.env.reward, max_turns=c.env.max_turns,
                      topk=c.retriever.topk,
                      max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
                      max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)

@@ -639,6 +639,7 @@ def train(c, validate_fn=None) -> dict:
   with StopSignal() as stop:
     run = build(c, validate_fn)
     state = restore(run) or init_state(run)
+    stop.agree()  # (several processes: every read of the flag follows an agreement)
     if stop.requested:
       raise Preempted(f"{stop.requested} during setup; nothing to checkpoint")
     state = start(run, state)
@@ -655,8 +656,10 @@ def train(c, validate_fn=None) -> dict:
         state = evaluate_step(run, state)
         rec = dict(rec, eval_em=state.evals[str(state.step)])
       check_divergence(run, state, rec)
+      stop.agree()
       if state.step % c.ckpt.every == 0 or state.step == c.rl.steps or stop.requested:
         save(run, state)
+    stop.agree()
     if stop.requested:
       if run.ckpt.latest_step() != state.step:
         save(run, state)
