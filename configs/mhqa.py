@@ -62,8 +62,6 @@ def _base():
   c.retriever.batch_size = 64    # queries per request
   c.retriever.concurrency = 1    # requests in flight per search batch
   c.retriever.health_check = True  # GET /health before the first step: a dead URL fails at once
-  c.retriever.fail_on_process = -1  # fault injection for tests: every search of this process of a
-                                   # multi-process run fails (-1: none)
 
   c.env = ml_collections.ConfigDict()
   c.env.reward = "em"       # em | f1 | em_format
@@ -72,6 +70,8 @@ def _base():
   c.env.max_obs_tokens = 72    # observation tokens (cut in token space, closing tag kept)
   c.env.max_obs_bytes = 16384  # observation bytes (passages cut fairly; 0 = no cap)
   c.env.max_seq_len = 384      # whole trajectory
+  c.env.inject_stall = ""      # fault injection for tests: "PROCESS:SECONDS", that process's first
+                               # environment step stalls SECONDS (a hung tool call on one host)
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
   c.sft.num_traces = 24000

@@ -1,6 +1,6 @@
 """`launch/train.py` as two JAX processes on 127.0.0.1 (4 CPU devices each, one global mesh of 8):
-the smoke run of `tests/test_train_smoke.py` for 2 RL steps, with process 1's retriever failing
-on every search, then a resume of both to step 3 (no fault).
+the smoke run of `tests/test_train_smoke.py` for 2 RL steps, with process 1's first environment
+step stalled past gloo's 30 s window, then a resume of both to step 3.
 
 Each process samples its share of every step's requests on its own 4 devices and sees every tree;
 the update runs on the global (data 2, fsdp 2, tensor 2) mesh; only process 0 writes the run's
@@ -19,6 +19,7 @@ import pytest
 from test_train_smoke import PREFIX_BUDGET, ROOT, ROOT_BUDGET, launch_env, smoke_args
 
 MESH = "data:2,fsdp:2,tensor:2"
+STALL_S = 35
 
 
 def _free_port():
@@ -71,8 +72,8 @@ def launch_pair(base, steps, process1_args=(), timeout=900):
 def pair(tmp_path_factory):
   base = str(tmp_path_factory.mktemp("multiprocess"))
   t0 = time.time()
-  # Process 1's retriever fails on every search in the first run (error observations there only).
-  first = launch_pair(base, 2, ["--config.retriever.fail_on_process=1"])
+  # Process 1's first tool call hangs for 35 s: process 0 waits for it at the next gather.
+  first = launch_pair(base, 2, [f"--config.env.inject_stall=1:{STALL_S}"])
   summary2 = json.load(open(os.path.join(base, "run", "summary.json")))
   t1 = time.time()
   second = launch_pair(base, 3)
@@ -90,18 +91,16 @@ def test_two_processes_train_the_global_step(pair):
   assert s["rollouts"] == 2 * (ROOT_BUDGET + PREFIX_BUDGET)
   assert s["generated_tokens"] > 0 and 0.0 <= s["effective_ratio"] <= 1.0
   w = pair["workdir"]
-  assert sorted(os.listdir(os.path.join(w, "checkpoints")))[-1] == "3"
+  assert {"2", "3"} <= set(os.listdir(os.path.join(w, "checkpoints")))  # written together
   recs = [json.loads(line) for line in open(os.path.join(w, "metrics.jsonl"))]
   rl = [r for r in recs if "effective_ratio" in r]
   # one writer: each RL step recorded once, with the rollouts of the whole (global) step
   assert [r["step"] for r in rl] == [1, 2, 3]
   assert [r["rollouts_total"] for r in rl] == [(ROOT_BUDGET + PREFIX_BUDGET) * k for k in (1, 2, 3)]
   assert all(r["finite"] == 1.0 for r in rl)
-  # the failing retriever of process 1 (first run only) shows in the step's summed counters, and
-  # the run went on: both processes built the same steps (the loop checks) and exited 0
-  assert [r["retriever_errors"] > 0 for r in rl] == [True, True, False]
-  assert "injected retriever failure" in pair["first"][1]
-  assert "injected retriever failure" not in pair["first"][0]
+  # the stalled process held the other one up without breaking the run: both exited 0 having built
+  # the same steps (the loop checks that each step's record agrees across processes)
+  assert "injected stall" in pair["first"][1] and "injected stall" not in pair["first"][0]
   # only process 0 prints the summary
   assert "rollouts" in pair["first"][0].split("[trace_jax] step 2")[-1]
   assert "slot_utilization" not in pair["first"][1]

@@ -18,9 +18,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax.checkpoint import Checkpointer
-from trace_jax.parallel.distributed import allgather_object, put_global
 from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
+from trace_jax.parallel.distributed import allgather_object, put_global
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +110,23 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
   return info
 
 
-class FailingRetriever:
-  """A retriever whose every search raises (fault injection): the environment turns each failure
-  into an error observation and the rollouts go on."""
+class StallOnce:
+  """An environment whose first step stalls `seconds` (fault injection: a hung tool call on one
+  host); otherwise the wrapped environment."""
 
-  def __init__(self, why: str):
-    self.why = why
+  def __init__(self, env, seconds: float):
+    self.env, self.seconds, self.stalled = env, seconds, False
 
-  def search(self, queries, topk):
-    raise ConnectionError(f"injected retriever failure ({self.why})")
+  def step_batch(self, states, texts):
+    if not self.stalled:
+      self.stalled = True
+      print(f"[trace_jax] injected stall: the environment step waits {self.seconds:g}s",
+            flush=True)
+      time.sleep(self.seconds)
+    return self.env.step_batch(states, texts)
+
+  def __getattr__(self, name):
+    return getattr(self.__dict__["env"], name)
 
 
 def build_env(c, assets: "Assets"):
@@ -127,13 +135,16 @@ def build_env(c, assets: "Assets"):
   the closing tag kept."""
   from trace_jax.envs.env import DEFAULT_MAX_OBS_BYTES, MultiHopEnv
 
-  retriever = assets.retriever
-  if c.retriever.get("fail_on_process", -1) == jax.process_index():  # fault injection (tests)
-    retriever = FailingRetriever(f"retriever.fail_on_process={jax.process_index()}")
-  return MultiHopEnv(retriever, c.env.reward, max_turns=c.env.max_turns,
-                     topk=c.retriever.topk,
-                     max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
-                     max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
+  env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
+                    topk=c.retriever.topk,
+                    max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
+                    max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
+  stall = str(c.env.get("inject_stall", "") or "")
+  if stall:  # fault injection (tests): "PROCESS:SECONDS"
+    proc, _, seconds = stall.partition(":")
+    if int(proc) == jax.process_index():
+      env = StallOnce(env, float(seconds))
+  return env
 
 
 # What a local HF model directory must hold before anything is loaded from it.
@@ -271,7 +282,7 @@ def sft_seed(c) -> int:
   return int(c.seed if s is None or s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes",)
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall")
 
 
 def warm_start_key(c) -> str:

@@ -180,6 +180,8 @@ def put_global(x, sharding):
   when `sharding` spans other processes' devices: each process places its own shards."""
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on device
+    return x if x.sharding == sharding else jax.jit(_identity, out_shardings=sharding)(x)
   host = np.asarray(fetch(x))
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

@@ -64,6 +64,12 @@ def _portable(tree):
   return out
 
 
+def _fingerprint(reqs, uids) -> int:
+  """A hash of a call's requests (what every process must agree on)."""
+  return hash(tuple((u, r.n, tuple(map(int, r.prompt_ids))) if isinstance(r, PromptRequest) else
+                    (u, int(getattr(r.node, "id", r.node)), r.k) for r, u in zip(reqs, uids)))
+
+
 def _ledger_delta(after: dict, before: dict) -> dict:
   return {k: v - before.get(k, 0) for k, v in after.items()}
 
@@ -143,9 +149,12 @@ class ProcessShardedEngine:
     trees = self.inner.run(mine, **kw) if mine else []
     local = {t.uid: t for t in trees}
     delta = _ledger_delta(self.inner.ledger.as_dict(), before)
-    parts = allgather_object(([_portable(t) for t in trees], delta))
-    self._add_ledger([d for _, d in parts])
-    for p, (ts, _) in enumerate(parts):
+    parts = allgather_object(([_portable(t) for t in trees], delta, _fingerprint(reqs, uid)))
+    if any(f != parts[0][2] for _, _, f in parts):
+      raise RuntimeError("the processes issued different sampling requests (their allocations "
+                         "diverged); a multi-process run needs every host decision to agree")
+    self._add_ledger([d for _, d, _ in parts])
+    for p, (ts, _, _) in enumerate(parts):
       for t in ts:
         self._owner[t.uid] = p
         if p == self.rank:
