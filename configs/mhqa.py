@@ -70,6 +70,8 @@ def _base():
   c.env.max_obs_tokens = 72    # observation tokens (cut in token space, closing tag kept)
   c.env.max_obs_bytes = 16384  # observation bytes (passages cut fairly; 0 = no cap)
   c.env.max_seq_len = 384      # whole trajectory
+  c.env.inject_stall = ""      # fault injection for tests: "PROCESS:SECONDS", that process's first
+                               # environment step stalls SECONDS (a hung tool call on one host)
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
   c.sft.num_traces = 24000

@@ -11,12 +11,16 @@ import logging
 import os
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax.checkpoint import Checkpointer
 from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
+from trace_jax.parallel.distributed import allgather_object, put_global
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +110,41 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
   return info
 
 
+class StallOnce:
+  """An environment whose first step stalls `seconds` (fault injection: a hung tool call on one
+  host); otherwise the wrapped environment."""
+
+  def __init__(self, env, seconds: float):
+    self.env, self.seconds, self.stalled = env, seconds, False
+
+  def step_batch(self, states, texts):
+    if not self.stalled:
+      self.stalled = True
+      print(f"[trace_jax] injected stall: the environment step waits {self.seconds:g}s",
+            flush=True)
+      time.sleep(self.seconds)
+    return self.env.step_batch(states, texts)
+
+  def __getattr__(self, name):
+    return getattr(self.__dict__["env"], name)
+
+
 def build_env(c, assets: "Assets"):
   """The run's `MultiHopEnv`: top-k passages per search, observations capped in bytes
   (`env.max_obs_bytes`) and in tokens (`env.max_obs_tokens`, under the policy's tokenizer) with
   the closing tag kept."""
   from trace_jax.envs.env import DEFAULT_MAX_OBS_BYTES, MultiHopEnv
 
-  return MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
-                     topk=c.retriever.topk,
-                     max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
-                     max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
+  env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
+                    topk=c.retriever.topk,
+                    max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
+                    max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
+  stall = str(c.env.get("inject_stall", "") or "")
+  if stall:  # fault injection (tests): "PROCESS:SECONDS"
+    proc, _, seconds = stall.partition(":")
+    if int(proc) == jax.process_index():
+      env = StallOnce(env, float(seconds))
+  return env
 
 
 # What a local HF model directory must hold before anything is loaded from it.
@@ -186,12 +215,16 @@ def load_world_assets(c) -> Assets:
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
   wdir = os.path.join(c.world.cache_dir, f"world-seed{c.world.seed}")
-  if os.path.exists(os.path.join(wdir, "world.json")):
-    world = World.load(wdir)
-  else:
+  world = None
+  # Several processes share the cache: the first one writes it, the others read it once written.
+  if not os.path.exists(os.path.join(wdir, "world.json")) and jax.process_index() == 0:
     world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
                                                 max_turns=c.env.max_turns))
     world.save(wdir)
+  if jax.process_count() > 1:
+    allgather_object(None)  # a barrier: the cache is complete past it
+  if world is None:
+    world = World.load(wdir)
   if not world.train or not world.test:  # an empty test set would report NaN accuracy
     raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
                      f"{len(world.test)} test questions; both must be non-empty (delete the "
@@ -264,7 +297,7 @@ def sft_seed(c) -> int:
   return int(c.seed if s is None or s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes",)
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall")
 
 
 def warm_start_key(c) -> str:
@@ -286,8 +319,21 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
 
   d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{warm_start_key(c)}"))
   ck = Checkpointer(d, max_to_keep=1)
-  if ck.latest_step() is not None:
-    params, meta = ck.restore(params)
+  multi = jax.process_count() > 1
+  # Several processes: the cached params live on every device, replicated (orbax writes them
+  # collectively), and every process comes back with process 0's values on its own device.
+  everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), P()) if multi else None
+  latest = ck.latest_step()
+  if multi:
+    latest = allgather_object(latest)[0]  # process 0's view decides for all
+  if latest is not None:
+    if multi:
+      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+                            params)
+      restored, meta = ck.restore(target)
+      params = jax.tree.map(lambda x: x.addressable_data(0), restored)
+    else:
+      params, meta = ck.restore(params)
     log.info("warm start restored from %s", d)
     return params, dict(meta, cached=True, path=d)
   t0 = time.time()
@@ -304,5 +350,9 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
               expert_success=float(np.mean([r.trace.correct for r in recs])),
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
               seconds=time.time() - t0, final=hist[-1] if hist else {})
-  ck.save(c.sft.steps, params, info)
+  if multi:  # the processes trained alike; process 0's result is the one every process keeps
+    params = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, params))[0])
+    ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
+  else:
+    ck.save(c.sft.steps, params, info)
   return params, dict(info, cached=False, path=d)

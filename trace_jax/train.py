@@ -42,7 +42,9 @@ from trace_jax.diagnostics import prefix_signal
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
-from trace_jax.parallel import initialize, make_mesh, shard_batch, shard_state
+from trace_jax.parallel import (allgather_object, check_agree, fetch, initialize, local_mesh,
+                                make_mesh, shard_batch, shard_state)
+from trace_jax.parallel.distributed import put_global_tree, run_global
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
@@ -53,6 +55,7 @@ from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step
 from trace_jax.rollout import strategies
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
+from trace_jax.rollout.multiprocess import ProcessShardedEngine, sampling_copy
 from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
 from trace_jax.rollout.sampler_config import sampler_config_from
 
@@ -71,6 +74,47 @@ class Diverged(RuntimeError):
 
 def _bucket(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
+
+
+def _primary() -> bool:
+  """Whether this process writes the run's files (the only process, or process 0 of several)."""
+  return jax.process_index() == 0
+
+
+class NullWriter:
+  """`MetricWriter`'s interface for processes other than process 0: records go nowhere."""
+  path = None
+
+  def write(self, step: int, record: dict) -> None:
+    pass
+
+  def truncate(self, last_step: int) -> int:
+    return 0
+
+  def close(self) -> None:
+    pass
+
+
+def _host(tree):
+  """A pytree of (possibly global) arrays as host values; one process: unchanged."""
+  return tree if jax.process_count() == 1 else jax.tree.map(fetch, tree)
+
+
+def _retriever_stats(env) -> dict:
+  """The environment's retriever counters since the last call, summed over the processes (the
+  mean latency weighted by calls, the max over processes)."""
+  st = env.retriever_stats(reset=True)
+  if jax.process_count() == 1:
+    return st
+  parts = allgather_object(st)
+  out = {k: sum(p.get(k, 0) for p in parts) for k in st}
+  calls = out.get("retriever_calls", 0)
+  if "retriever_latency_mean_s" in st:
+    out["retriever_latency_mean_s"] = (sum(p["retriever_latency_mean_s"] * p["retriever_calls"]
+                                           for p in parts) / calls if calls else 0.0)
+  if "retriever_latency_max_s" in st:
+    out["retriever_latency_max_s"] = max(p["retriever_latency_max_s"] for p in parts)
+  return out
 
 
 def make_predictor(pred_graphdef):
@@ -142,7 +186,7 @@ class LoopState:
   @property
   def skip_streak(self) -> int:
     """Consecutive updates skipped as non-finite (the update's own count, `train["skip_streak"]`)."""
-    return int(self.train["skip_streak"])
+    return int(fetch(self.train["skip_streak"]))
 
 
 # ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
@@ -154,12 +198,17 @@ def build(c, validate_fn=None) -> Run:
     validate_fn(c)
   inject_nan_steps = _parse_steps(c.rl.get("inject_nan_steps", ""))
   initialize()
+  multi = jax.process_count() > 1
   workdir = _workdir(c)
+  if multi and not c.workdir:  # the default name has a time stamp: the processes must agree
+    workdir = allgather_object(workdir)[0]
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=1))
+  if _primary():  # one process writes the run's files (config, metrics, summary, plots)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=1))
   mesh = make_mesh(c.mesh)
-  writer = MetricWriter(workdir)
+  lmesh = local_mesh(mesh)  # this process's block (raises when the mesh does not split evenly)
+  writer = MetricWriter(workdir) if _primary() else NullWriter()
 
   synthetic = not assets_lib.uses_real_data(c)
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
@@ -181,10 +230,22 @@ def build(c, validate_fn=None) -> Run:
 
   env = assets_lib.build_env(c, assets)
   r = c.rollout
-  engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
-                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
-                         mesh=mesh if mesh.size > 1 else None)
-  engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
+  if multi:
+    # Sampling is process-local: each process's engine lives on its own block of the mesh with a
+    # copy of the weights, samples its share of the requests, and sees every tree (see
+    # `ProcessShardedEngine`); the update runs on the global mesh.
+    params = shard_state(params, mesh)
+    inner = SamplerEngine(graphdef, sampling_copy(params, mesh, model.cfg.num_kv_heads),
+                          sampler_config_from(c), assets.encode, assets.decode,
+                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                          mesh=lmesh if lmesh.size > 1 else None)
+    inner.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
+    engine = ProcessShardedEngine(inner, mesh)
+  else:
+    engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
+                           TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                           mesh=mesh if mesh.size > 1 else None)
+    engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
   predict = make_predictor(pred_graphdef)
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
@@ -208,8 +269,8 @@ def build(c, validate_fn=None) -> Run:
                       # log-probs of the sampling policy, softmax(z / T), in the update and the
                       # reference alike (the sampler records the same)
                       temperature=c.rollout.temperature)
-  if mesh.size > 1:  # parameters born in their logical sharding; optimizer states follow them
-    params = shard_state(params, mesh)
+  if mesh.size > 1 and not multi:  # parameters born in their logical sharding; optimizer states
+    params = shard_state(params, mesh)  # follow them
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
                            buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
                            weighting=c.rl.predictor_weighting,
@@ -234,7 +295,7 @@ def build(c, validate_fn=None) -> Run:
              update=update, predict=predict, writer=writer, ckpt=ckpt, ref_params=ref_params,
              shardings=shardings, init_params=params,
              init_pred_params=pred_params, ucfg=ucfg,
-             init_param_norm=float(_global_norm(params)), warm_start=ws_info,
+             init_param_norm=float(fetch(run_global(_global_norm, params))), warm_start=ws_info,
              synthetic=synthetic, t_start=t_start,
              inject_nan_steps=inject_nan_steps)
 
@@ -333,7 +394,7 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))])
   rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
          "generated_tokens_total": state.totals["generated_tokens"]}
-  rec.update({f"eval_{k}": v for k, v in run.env.retriever_stats(reset=True).items()})
+  rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})
   rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
   run.writer.write(step, rec)
   if step == 0:
@@ -350,9 +411,12 @@ def _fit_predictor(run: Run, train_state: dict, trees, steps=None) -> tuple[dict
   if not run.c.rl.predictor_fit_steps:
     return train_state, {}
   # The fitter keeps its own optimizer state; the joint update's `pred_opt` is not touched.
-  ps, info = run.fitter.fit(train_state["pred_params"], steps=steps)
+  # (several processes: each fits the same host copy on the same data, process 0's result kept)
+  ps, info = run.fitter.fit(_host(train_state["pred_params"]), steps=steps)
+  if jax.process_count() > 1:
+    ps = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, ps))[0])
   if run.shardings is not None:
-    ps = jax.device_put(ps, run.shardings["pred_params"])
+    ps = put_global_tree(ps, run.shardings["pred_params"])
   return dict(train_state, pred_params=ps), info
 
 
@@ -414,7 +478,7 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
   run.driver.rng = np.random.default_rng([c.seed, state.step, 1])
   run.fitter.rng = np.random.default_rng([c.seed, state.step, 2])
   run.engine.update_params(_policy(run, state))
-  run.driver.predict = functools.partial(run.predict, state.train["pred_params"])
+  run.driver.predict = functools.partial(run.predict, _host(state.train["pred_params"]))
   sample = run.driver.sample(step_examples(run, state.step), use_predictor=use_pred)
   tm = tree_metrics(sample.all_trees)
   rec = dict(effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
@@ -456,14 +520,18 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     if state.step in run.inject_nan_steps:  # fault injection (launch/chaos.py): a NaN loss
       batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
-    train_state, m = run.update(train_state, batch)
-    m = jax.device_get(m)
+    train_state, m = run_global(run.update, train_state, batch)
+    m = jax.device_get(m) if jax.process_count() == 1 else _host(m)
     rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
   else:
     rec["empty_batch"] = 1.0
-  rec["skipped_steps"] = int(train_state["skipped"])
-  rec.update(run.env.retriever_stats(reset=True))
+  rec["skipped_steps"] = int(fetch(train_state["skipped"]))
+  rec.update(_retriever_stats(run.env))
+  # Every process must have built the same step (a silent divergence would train on mixed data).
+  check_agree(f"RL step {state.step}", {k: rec.get(k) for k in (
+      "effective_ratio", "reward_mean", "leaves", "loss", "rollouts_total",
+      "generated_tokens_total", "predictor_fit_bce_last")})
   state = dataclasses.replace(state, train=train_state, step=state.step + 1, totals=totals,
                               predictions=predictions[-20000:], er_hist=er_hist)
   run.writer.write(state.step, rec)
@@ -532,7 +600,7 @@ def finish(run: Run, state: LoopState) -> dict:
         pred_rep[st] = predictor_report(p[stage == st], y[stage == st])
     cc = calibration_curve(p, y)
     calib = {"bins": {k: np.asarray(v).tolist() for k, v in cc.items()}, "ece": pred_rep["ece"]}
-  plots = plot_run(run.workdir, read_jsonl(run.writer.path), calib)
+  plots = plot_run(run.workdir, read_jsonl(run.writer.path), calib) if _primary() else []
   evals = state.evals
   first = sorted(evals, key=int)[0] if evals else None
   last = sorted(evals, key=int)[-1] if evals else None
@@ -545,14 +613,15 @@ def finish(run: Run, state: LoopState) -> dict:
                  rollouts=int(state.totals["rollouts"]),
                  prefill_tokens=int(state.totals["prefill_tokens"]),
                  tool_calls=int(state.totals["tool_calls"]),
-                 skipped_steps=int(state.train["skipped"]),
+                 skipped_steps=int(fetch(state.train["skipped"])),
                  wall_seconds=time.time() - run.t_start, workdir=run.workdir,
                  evals=evals, predictor=pred_rep, warm_start=run.warm_start,
                  warm_start_probe=state.probe, plots=plots,
                  slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1))
-  with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1, default=str)
-  print("\n" + format_summary(summary), flush=True)
+  if _primary():
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1, default=str)
+    print("\n" + format_summary(summary), flush=True)
   return summary
 
 
@@ -576,6 +645,12 @@ class StopSignal:
     self.requested = signal.Signals(signum).name
     print(f"\n[trace_jax] {self.requested}: finishing this step, then checkpointing", flush=True)
 
+  def agree(self) -> None:
+    """Several processes: a signal to any of them stops all of them at the same step (they
+    checkpoint together). A collective; one process: nothing to do."""
+    if jax.process_count() > 1:
+      self.requested = next((r for r in allgather_object(self.requested) if r), None)
+
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
@@ -589,12 +664,14 @@ def train(c, validate_fn=None) -> dict:
   with StopSignal() as stop:
     run = build(c, validate_fn)
     state = restore(run) or init_state(run)
+    stop.agree()  # (several processes: every read of the flag follows an agreement)
     if stop.requested:
       raise Preempted(f"{stop.requested} during setup; nothing to checkpoint")
     state = start(run, state)
     bar = tqdm(range(state.step, c.rl.steps), desc=f"RL ({c.method})", initial=state.step,
-               total=c.rl.steps)
+               total=c.rl.steps, disable=not _primary())
     for _ in bar:
+      stop.agree()
       if stop.requested:
         break
       sample, rec = sample_step(run, state)
@@ -604,8 +681,10 @@ def train(c, validate_fn=None) -> dict:
         state = evaluate_step(run, state)
         rec = dict(rec, eval_em=state.evals[str(state.step)])
       check_divergence(run, state, rec)
+      stop.agree()
       if state.step % c.ckpt.every == 0 or state.step == c.rl.steps or stop.requested:
         save(run, state)
+    stop.agree()
     if stop.requested:
       if run.ckpt.latest_step() != state.step:
         save(run, state)

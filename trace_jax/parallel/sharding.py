@@ -142,8 +142,9 @@ def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
 
 def shard_state(state, mesh: Mesh, rules=DEFAULT_RULES):
   """Places every array of an nnx State in its logical sharding."""
+  from trace_jax.parallel.distributed import put_global  # (multi-process meshes too)
   sh = state_shardings(state, mesh, rules)
-  return jax.tree.map(lambda v, s: v.replace(jax.device_put(variable_value(v), s)), state, sh,
+  return jax.tree.map(lambda v, s: v.replace(put_global(variable_value(v), s)), state, sh,
                       is_leaf=_is_var)
 
 
@@ -161,7 +162,8 @@ def shard_batch(batch, mesh: Mesh, rules=DEFAULT_RULES):
     if x.ndim and x.shape[0] % n:
       raise ValueError(f"batch dimension {x.shape[0]} is not divisible by the {n} devices of the "
                        f"batch mesh axes {dict(rules)['batch']}")
-    return jax.device_put(x, batch_sharding(mesh, max(x.ndim, 1), rules))
+    return put_global(x, batch_sharding(mesh, max(x.ndim, 1), rules))
+  from trace_jax.parallel.distributed import put_global  # (multi-process meshes too)
   return jax.tree.map(put, batch)
 
 

@@ -164,8 +164,12 @@ def batch_shardings(batch, mesh: Mesh, rules=DEFAULT_RULES):
 
 
 def place_state(state, shardings):
-  """device_put every leaf of `state` in its sharding (e.g. after init or restore)."""
-  return jax.device_put(state, shardings)
+  """device_put every leaf of `state` in its sharding (e.g. after init or restore); on a mesh that
+  spans several processes, a leaf held whole by every process is placed shard by shard."""
+  if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+    return jax.device_put(state, shardings)
+  from trace_jax.parallel.distributed import put_global_tree
+  return put_global_tree(state, shardings)
 
 
 def _mesh_of(shardings):

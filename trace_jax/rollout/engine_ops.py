@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention
 from trace_jax.kernels.tree_attention_sharded import tree_attention_sharded
-from trace_jax.rollout.paged_kv import PoolLayout, paged_prefill_attention, write_tokens
+from trace_jax.rollout.paged_kv import (PoolLayout, jit_pool_fn, paged_prefill_attention,
+                                        write_tokens)
 
 
 def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
@@ -219,8 +220,8 @@ def make_decode_step(graphdef, attention_impl: str = "auto", max_top_k: int = 0,
   if layout is None:
     return jax.jit(step, donate_argnums=(1,))
   rows = layout.row_sharding
-  return jax.jit(step, donate_argnums=(1,), in_shardings=(None, layout.pool_sharding, rows),
-                 out_shardings=(layout.pool_sharding, rows))
+  return jit_pool_fn(step, (None, layout.pool_sharding, rows), donate_argnums=(1,),
+                     out_shardings=(layout.pool_sharding, rows))
 
 
 def _prefill_local(q, k, v, kp, vp, table, start, num_new, offset):
@@ -280,9 +281,8 @@ def make_prefill_step(graphdef, layout: PoolLayout | None = None):
 
   if layout is None:
     return jax.jit(step, donate_argnums=(1,))
-  return jax.jit(step, donate_argnums=(1,),
-                 in_shardings=(None, layout.pool_sharding, layout.row_sharding),
-                 out_shardings=layout.pool_sharding)
+  return jit_pool_fn(step, (None, layout.pool_sharding, layout.row_sharding),
+                     donate_argnums=(1,), out_shardings=layout.pool_sharding)
 
 
 @functools.lru_cache(maxsize=16)

@@ -149,6 +149,29 @@ class PoolLayout:
     return lax.axis_index(self.data_axes) if self.data_axes else 0
 
 
+class _HostInputs:
+  """A jitted function whose host (numpy) arguments are first put on the function's input
+  shardings (see `jit_pool_fn`); everything else (lower, cache size) is the jitted function's."""
+
+  def __init__(self, jitted, in_shardings):
+    self.jitted, self.in_shardings = jitted, in_shardings
+
+  def __call__(self, *args):
+    return self.jitted(*[a if s is None else jax.device_put(a, s)
+                         for a, s in zip(args, self.in_shardings)])
+
+  def __getattr__(self, name):
+    return getattr(self.jitted, name)
+
+
+def jit_pool_fn(fn, in_shardings, **kw):
+  """`jax.jit(fn, in_shardings=...)` for the sampler's steps on a (process-local) mesh. In a
+  multi-process run jit refuses host arguments with non-trivial shardings, even on this process's
+  own devices; there the arguments are put on their shardings first. One process: plain jit."""
+  jitted = jax.jit(fn, in_shardings=in_shardings, **kw)
+  return jitted if jax.process_count() == 1 else _HostInputs(jitted, in_shardings)
+
+
 def init_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32, layout: PoolLayout | None = None) -> dict:
   """Device pool {"k": [L x [P, ps, Hkv, hd]], "v": same}, zero-filled; laid out by `layout`
@@ -206,9 +229,8 @@ def make_copy_pages(layout: PoolLayout | None):
                        out_specs=pool_specs, check_vma=False)
     return fn(pool, src, dst)
 
-  return jax.jit(copy, donate_argnums=(0,),
-                 in_shardings=(layout.pool_sharding, layout.row_sharding, layout.row_sharding),
-                 out_shardings=layout.pool_sharding)
+  return jit_pool_fn(copy, (layout.pool_sharding, layout.row_sharding, layout.row_sharding),
+                     donate_argnums=(0,), out_shardings=layout.pool_sharding)
 
 
 def gather_sequences(pages: jax.Array, table: jax.Array) -> jax.Array:

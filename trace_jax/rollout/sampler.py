@@ -66,6 +66,15 @@ class _Branch:
     self.budget = 0                      # decode steps of the next device call
 
 
+def sampling_shardings(state, layout: PoolLayout):
+  """The sampler's weight layout on `layout.mesh`: the logical rules with `embed` unsplit (decode
+  never gathers weights) and the batch over the pool's data axes; NamedShardings shaped like the
+  nnx State `state`."""
+  rules = tuple((k, None if k == "embed" else (layout.data_axes if k == "batch" else v))
+                for k, v in DEFAULT_RULES)
+  return state_shardings(state, layout.mesh, rules)
+
+
 class SamplerEngine:
   """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages.
 
@@ -170,9 +179,7 @@ class SamplerEngine:
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     leaves = jax.tree.leaves(state, is_leaf=is_var)
     if any(is_var(x) for x in leaves):
-      rules = tuple((k, None if k == "embed" else (self.layout.data_axes if k == "batch" else v))
-                    for k, v in DEFAULT_RULES)
-      shardings = state_shardings(state, self.layout.mesh, rules)
+      shardings = sampling_shardings(state, self.layout)
       self._param_shardings = jax.tree.leaves(shardings)
       return jax.tree.map(lambda v, sh: v.replace(jax.device_put(variable_value(v), sh)), state,
                           shardings, is_leaf=is_var)
@@ -306,8 +313,11 @@ class SamplerEngine:
         if not 1 <= len(ids) < self.cfg.max_seq_len:
           raise ValueError(
               f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
-        tree = Tree(ids, uid=self._next_uid, meta=req.meta, prompt_text=req.prompt_text)
-        self._next_uid += 1
+        if req.uid is None:
+          tree = Tree(ids, uid=self._next_uid, meta=req.meta, prompt_text=req.prompt_text)
+          self._next_uid += 1
+        else:
+          tree = Tree(ids, uid=int(req.uid), meta=req.meta, prompt_text=req.prompt_text)
         tree._nbranches = 0
         self.live_trees[tree.uid] = tree
         node_id, count = 0, req.n

@@ -85,6 +85,7 @@ class PromptRequest:
   n: int
   meta: dict | None = None
   prompt_text: str = ""
+  uid: int | None = None  # the tree's uid (its rollouts' rng streams); None: the engine's next
 
 
 @dataclasses.dataclass
