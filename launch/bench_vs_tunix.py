@@ -3,9 +3,9 @@
 Tunix is not a dependency of this project; the benchmark runs in a separate virtualenv that holds
 both packages, with this checkout on PYTHONPATH:
 
-  python3 -m venv /work/tunix_venv
-  /work/tunix_venv/bin/pip install "google-tunix==0.1.7" "transformers<5" matplotlib
-  PYTHONPATH=$PWD nice -n 10 /work/tunix_venv/bin/python launch/bench_vs_tunix.py [--quick]
+  python3 -m venv ../tunix_venv
+  ../tunix_venv/bin/pip install "google-tunix==0.1.7" "transformers<5" matplotlib
+  PYTHONPATH=$PWD nice -n 10 ../tunix_venv/bin/python launch/bench_vs_tunix.py [--quick]
 
 ("transformers<5": google-tunix 0.1.7 pins safetensors<0.8 while transformers >= 5.24 needs
 safetensors >= 0.8, so an unpinned install backtracks through every transformers release.) The
