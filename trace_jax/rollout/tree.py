@@ -286,13 +286,15 @@ def render_text(tree: Tree, max_chars: int = 60) -> str:
 def render_png(trees: Sequence[Tree], path: str, cols: int = 4) -> None:
   """Draws each tree (x = cumulative tokens, y = leaf order); green success, red failure leaves,
   black dots at anchors."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # A Figure of its own with the Agg canvas: the caller's pyplot backend (a notebook's inline one)
+  # is left as it is.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
   rows = max(1, -(-len(trees) // cols))
-  fig, axes = plt.subplots(rows, min(cols, max(1, len(trees))), squeeze=False,
-                           figsize=(4 * min(cols, max(1, len(trees))), 3 * rows))
+  fig = Figure(figsize=(4 * min(cols, max(1, len(trees))), 3 * rows))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(rows, min(cols, max(1, len(trees))), squeeze=False)
   for ax in axes.flat:
     ax.axis("off")
   for ax, tree in zip(axes.flat, trees):
@@ -333,7 +335,6 @@ def render_png(trees: Sequence[Tree], path: str, cols: int = 4) -> None:
     ax.set_yticks([])
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 __all__ = ["Node", "Tree", "load_trees", "render_png", "render_text", "save_trees", "to_flat"]
