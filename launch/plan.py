@@ -131,9 +131,10 @@ def _rows_and_trees(c, mesh: str, s: dict) -> str:
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
   rows = _rows(s["train_rows"], s["micro_batches"], dp)
+  from trace_jax.rollout.paged_kv import tree_pages
   shards = dp if s["kv_pool"] == "sharded" else 1
-  per_shard = s["num_pages"] // shards - 1
-  need = largest_tree(c) * -(-s["seq_len"] // s["page_size"])
+  need, per_shard = tree_pages(largest_tree(c), s["seq_len"], s["page_size"], s["num_pages"],
+                               shards)
   pad = f"{rows} update rows ({rows - s['train_rows']} of them padding)"
   if per_shard >= need:
     return f"{pad}; a pool shard holds {per_shard} pages, one tree needs at most {need}"

@@ -12,7 +12,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -20,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from trace_jax.checkpoint import Checkpointer
 from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
-from trace_jax.parallel.distributed import allgather_object, put_global
+from trace_jax.parallel.distributed import (allgather_object, broadcast_arrays, broadcast_object,
+                                            put_global)
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
   everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), P()) if multi else None
   latest = ck.latest_step()
   if multi:
-    latest = allgather_object(latest)[0]  # process 0's view decides for all
+    latest = broadcast_object(latest)  # process 0's view decides for all
   if latest is not None:
     if multi:
       target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
@@ -351,7 +351,7 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
               seconds=time.time() - t0, final=hist[-1] if hist else {})
   if multi:  # the processes trained alike; process 0's result is the one every process keeps
-    params = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, params))[0])
+    params = broadcast_arrays(params)
     ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
   else:
     ck.save(c.sft.steps, params, info)

@@ -44,7 +44,8 @@ from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.parallel import (allgather_object, check_agree, fetch, initialize, local_mesh,
                                 make_mesh, shard_batch, shard_state)
-from trace_jax.parallel.distributed import put_global_tree, run_global
+from trace_jax.parallel.distributed import (broadcast_arrays, broadcast_object, put_global_tree,
+                                            run_global)
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
@@ -70,10 +71,6 @@ class Preempted(RuntimeError):
 class Diverged(RuntimeError):
   """The run stopped on a sign of divergence (consecutive skipped updates, exploding parameters,
   held-out accuracy collapsed to zero); nothing was checkpointed after the first bad step."""
-
-
-def _bucket(n: int, multiple: int) -> int:
-  return max(multiple, -(-n // multiple) * multiple)
 
 
 def _primary() -> bool:
@@ -126,7 +123,7 @@ def make_predictor(pred_graphdef):
   def predict(pred_state, feats):
     feats = np.asarray(feats, np.float32)
     n = feats.shape[0]
-    pad = np.zeros((_bucket(n, 64), feats.shape[1]), np.float32)
+    pad = np.zeros((padded_rows(n, 1, 64), feats.shape[1]), np.float32)  # 64-row buckets
     pad[:n] = feats
     return np.asarray(_probs(pred_state, pad))[:n]
 
@@ -201,7 +198,7 @@ def build(c, validate_fn=None) -> Run:
   multi = jax.process_count() > 1
   workdir = _workdir(c)
   if multi and not c.workdir:  # the default name has a time stamp: the processes must agree
-    workdir = allgather_object(workdir)[0]
+    workdir = broadcast_object(workdir)
   os.makedirs(workdir, exist_ok=True)
   if _primary():  # one process writes the run's files (config, metrics, summary, plots)
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -230,22 +227,19 @@ def build(c, validate_fn=None) -> Run:
 
   env = assets_lib.build_env(c, assets)
   r = c.rollout
+  # Several processes: sampling is process-local, each process's engine on its own block of the
+  # mesh with a copy of the weights, sampling its share of the requests and seeing every tree (see
+  # `ProcessShardedEngine`); the update runs on the global mesh.
   if multi:
-    # Sampling is process-local: each process's engine lives on its own block of the mesh with a
-    # copy of the weights, samples its share of the requests, and sees every tree (see
-    # `ProcessShardedEngine`); the update runs on the global mesh.
     params = shard_state(params, mesh)
-    inner = SamplerEngine(graphdef, sampling_copy(params, mesh, model.cfg.num_kv_heads),
-                          sampler_config_from(c), assets.encode, assets.decode,
-                          TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
-                          mesh=lmesh if lmesh.size > 1 else None)
-    inner.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
-    engine = ProcessShardedEngine(inner, mesh)
-  else:
-    engine = SamplerEngine(graphdef, params, sampler_config_from(c), assets.encode, assets.decode,
-                           TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
-                           mesh=mesh if mesh.size > 1 else None)
-    engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
+  smesh = lmesh if multi else mesh
+  engine = SamplerEngine(graphdef, sampling_copy(params, mesh, model.cfg.num_kv_heads)
+                         if multi else params, sampler_config_from(c), assets.encode,
+                         assets.decode, TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                         mesh=smesh if smesh.size > 1 else None)
+  engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
+  if multi:
+    engine = ProcessShardedEngine(engine, mesh)
   predict = make_predictor(pred_graphdef)
   dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
                       min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
@@ -413,8 +407,7 @@ def _fit_predictor(run: Run, train_state: dict, trees, steps=None) -> tuple[dict
   # The fitter keeps its own optimizer state; the joint update's `pred_opt` is not touched.
   # (several processes: each fits the same host copy on the same data, process 0's result kept)
   ps, info = run.fitter.fit(_host(train_state["pred_params"]), steps=steps)
-  if jax.process_count() > 1:
-    ps = jax.tree.map(jnp.asarray, allgather_object(jax.tree.map(np.asarray, ps))[0])
+  ps = broadcast_arrays(ps)
   if run.shardings is not None:
     ps = put_global_tree(ps, run.shardings["pred_params"])
   return dict(train_state, pred_params=ps), info
@@ -521,7 +514,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
     train_state, m = run_global(run.update, train_state, batch)
-    m = jax.device_get(m) if jax.process_count() == 1 else _host(m)
+    m = jax.device_get(_host(m))
     rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
   else:

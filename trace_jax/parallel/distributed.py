@@ -125,6 +125,23 @@ def allgather_object(obj) -> list:
   return out
 
 
+def broadcast_object(obj):
+  """Process 0's `obj` on every process (the others' values are not sent). A collective, like
+  `allgather_object`. With one process: `obj`."""
+  if jax.process_count() == 1:
+    return obj
+  return allgather_object(obj if jax.process_index() == 0 else None)[0]
+
+
+def broadcast_arrays(tree):
+  """Process 0's pytree of arrays as host-built jnp arrays on every process (`broadcast_object` of
+  their numpy values)."""
+  if jax.process_count() == 1:
+    return tree
+  import jax.numpy as jnp
+  return jax.tree.map(jnp.asarray, broadcast_object(jax.tree.map(np.asarray, tree)))
+
+
 def barrier(name: str) -> None:
   """Waits until every process reached the same barrier (up to the gather timeout)."""
   if jax.process_count() == 1:

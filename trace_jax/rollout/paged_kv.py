@@ -22,6 +22,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 NULL_PAGE = 0
 
 
+def tree_pages(branches: int, max_seq_len: int, page_size: int, num_pages: int,
+               shards: int = 1) -> tuple[int, int]:
+  """(pages one tree of `branches` rollouts of `max_seq_len` tokens may need, pages one pool shard
+  holds): the worst case, no prefix shared, against a shard's page range less its null page. A
+  tree's pages all live on one shard, so the tree fits only when the first is at most the second."""
+  return int(branches) * -(-int(max_seq_len) // int(page_size)), int(num_pages) // int(shards) - 1
+
+
 class PoolExhaustedError(RuntimeError):
   """The KV page pool has fewer free pages than a request needs."""
 
@@ -267,4 +275,4 @@ def paged_prefill_attention(q, k_pages, v_pages, table, start, num_new):
 
 __all__ = ["NULL_PAGE", "PageAllocator", "PoolExhaustedError", "PoolLayout", "copy_pages",
            "gather_sequences", "init_pool", "make_copy_pages", "paged_prefill_attention",
-           "pool_bytes", "write_tokens"]
+           "pool_bytes", "write_tokens", "tree_pages"]

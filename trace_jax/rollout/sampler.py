@@ -34,7 +34,7 @@ from flax import nnx
 from trace_jax.envs import react
 from trace_jax.parallel.sharding import DEFAULT_RULES, state_shardings, variable_value
 from trace_jax.rollout import engine_ops, slot_tables
-from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, PoolLayout,
+from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, PoolLayout, tree_pages,
                                         init_pool, make_copy_pages)
 from trace_jax.rollout.sampler_config import (DEFAULT_STOP_STRINGS, EnvStep, ForkRequest, Ledger,
                                               PromptRequest, SamplerConfig, TurnRef)
@@ -233,8 +233,7 @@ class SamplerEngine:
     8 samples). Stage-2 continuations fork from pages the tree already holds and are not counted:
     one that finds its shard full ends its turn as `pool_exhausted`."""
     cfg = self.cfg
-    need = int(branches) * cfg.max_pages_per_seq
-    have = self.alloc.pages_per_shard - 1  # one null page per shard
+    need, have = tree_pages(branches, cfg.max_seq_len, cfg.page_size, cfg.num_pages, self.shards)
     if need > have:
       where = (f"one of the {self.shards} data shards" if self.shards > 1 else "the pool")
       raise ValueError(
