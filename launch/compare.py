@@ -30,13 +30,22 @@ Regimes:
 Writes to --out (default results/compare): summary.json ({"runs": [...], "aggregates": [...]}),
 summary.md (mean and spread over seeds), em_vs_tokens.png, effective_ratio.png, reliability.png
 and anchor_depths.png.
+
+Every finished run is also archived under `<out>/runs/<run>/` (its summary.json and its per-step
+metrics as metrics.jsonl.gz), so a committed campaign can be summarized and extended on another
+machine without the run workdirs: an archived run counts as finished. Rows of an earlier
+summary.json in --out whose run is neither in --runs nor archived (campaigns from before the
+archive) are carried over as they are (`"carried": true`); they have no per-step records, so they
+enter the tables but not the curves.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -79,8 +88,23 @@ _SUMMARIZE_ONLY = flags.DEFINE_bool(
 
 
 # ---- the campaign --------------------------------------------------------------------------------
-def _config_keys(config: str) -> set[str]:
-  """Dotted keys of the base config (to apply an override only where the field exists)."""
+def prompts_per_step(row, extra, base: int) -> int:
+  """The prompts a run trains on per step: --set, else the regime's override, else the config's."""
+  sets = dict(x.split("=", 1) for x in extra if "=" in x)
+  return int(sets.get("rollout.prompts_per_step")
+             or row["overrides"].get("rollout.prompts_per_step") or base)
+
+
+def with_mixed_groups(table_row: dict, prompts: int) -> dict:
+  """Adds `mixed_groups`: mixed groups (trees) per step, effective ratio x prompts per step. A
+  method that trains on fewer prompts can raise the ratio without adding contrast; this counts
+  it."""
+  er = table_row.get("effective_ratio")
+  return dict(table_row, prompts_per_step=prompts,
+              mixed_groups=None if er is None else er * prompts)
+
+
+def _load_config(config: str):
   sys.path.insert(0, os.path.join(_ROOT, "configs"))
   import importlib.util
   path, _, arg = config.partition(":")
@@ -88,7 +112,12 @@ def _config_keys(config: str) -> set[str]:
                                                 if not os.path.isabs(path) else path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  c = mod.get_config(arg or None)
+  return mod.get_config(arg or None)
+
+
+def _config_keys(config: str) -> set[str]:
+  """Dotted keys of the base config (to apply an override only where the field exists)."""
+  c = _load_config(config)
 
   def walk(d, prefix=""):
     for k, v in d.items():
@@ -128,12 +157,15 @@ def train_args(config, workdir, overrides, warm_seed, extra) -> list[str]:
   return args + [f"--config.{x}" for x in extra]
 
 
-def run_one(config, runs_dir, row, warm_seed, extra) -> dict:
-  """Trains one run (unless its summary exists) and returns its summary."""
+def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
+  """Trains one run (unless its summary exists in `runs_dir` or in `archive`) and returns its
+  summary."""
   workdir = os.path.join(runs_dir, row["run"])
   path = os.path.join(workdir, "summary.json")
   if os.path.exists(path):
     return json.load(open(path))
+  if archive and os.path.exists(os.path.join(archive, row["run"], "summary.json")):
+    return json.load(open(os.path.join(archive, row["run"], "summary.json")))
   os.makedirs(os.path.dirname(workdir), exist_ok=True)
   cmd = [sys.executable, os.path.join(_ROOT, "launch", "train.py"),
          *train_args(config, workdir, row["overrides"], warm_seed, extra)]
@@ -149,12 +181,59 @@ def run_one(config, runs_dir, row, warm_seed, extra) -> dict:
 
 
 # ---- collecting ----------------------------------------------------------------------------------
-def _records(workdir):
+def _records(workdir, archived=None):
+  """Per-step records of a run: its workdir's metrics.jsonl, else the archived copy."""
   path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    with open(path) as f:
+      return [json.loads(line) for line in f if line.strip()]
+  gz = os.path.join(archived, "metrics.jsonl.gz") if archived else None
+  if gz and os.path.exists(gz):
+    with gzip.open(gz, "rt") as f:
+      return [json.loads(line) for line in f if line.strip()]
+  return []
+
+
+def archive_run(workdir, archived) -> bool:
+  """Copies a finished run's summary.json and its metrics (gzipped) to `archived`; False when the
+  workdir has no summary (an archived-only run)."""
+  src = os.path.join(workdir, "summary.json")
+  if not os.path.exists(src):
+    return False
+  os.makedirs(archived, exist_ok=True)
+  shutil.copyfile(src, os.path.join(archived, "summary.json"))
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(metrics):
+    with open(metrics, "rb") as f, gzip.GzipFile(os.path.join(archived, "metrics.jsonl.gz"), "wb",
+                                                  mtime=0) as g:
+      shutil.copyfileobj(f, g)
+  return True
+
+
+def carried_rows(path, runs) -> dict:
+  """Rows of an earlier summary.json at `path` for the given runs: {run: {budget: row}}."""
   if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    return {}
+  try:
+    old = json.load(open(path))
+  except (OSError, ValueError):
+    return {}
+  out = {}
+  for r in old.get("runs", []):
+    if r.get("run") in runs:
+      out.setdefault(r["run"], {})[r["budget"]] = dict(r, carried=True)
+  return out
+
+
+def carried_row(row, carried):
+  """The carried row for a planned row, or None. A run of a method with no stage 2 serves both
+  budget modes, so its row in one mode stands for the other."""
+  by_budget = carried.get(row["run"], {})
+  if row["budget"] in by_budget:
+    return by_budget[row["budget"]]
+  if by_budget and row["method"] in ROOT_ONLY_METHODS:
+    return dict(next(iter(by_budget.values())), budget=row["budget"])
+  return None
 
 
 def _mean_of(recs, key):
@@ -185,7 +264,8 @@ def run_row(row, summary, recs) -> dict:
   return out
 
 
-AGG_KEYS = ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts", "stage1_mixed",
+AGG_KEYS = ("accuracy_final", "effective_ratio", "mixed_groups", "generated_tokens", "rollouts",
+            "stage1_mixed",
             "slice_auc", "anchor_depth_mean")
 
 
@@ -238,9 +318,9 @@ def markdown(aggs) -> str:
   order = {m: i for i, m in enumerate(METHODS)}
   for regime, budget in sorted({(a["regime"], a["budget"]) for a in aggs}):
     lines += [f"### {regime}, equal {budget}", "",
-              "| method | seeds | EM final | effective ratio | 1-ER vs grpo | EM - grpo | "
-              "generated tokens | rollouts | stage-1 mixed | slice AUC | anchor depth |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| method | seeds | EM final | effective ratio | mixed groups / step | 1-ER vs grpo | "
+              "EM - grpo | generated tokens | rollouts | stage-1 mixed | slice AUC | anchor depth |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted((a for a in aggs if (a["regime"], a["budget"]) == (regime, budget)),
                   key=lambda a: order.get(a["method"], 99))
     for a in rows:
@@ -251,7 +331,8 @@ def markdown(aggs) -> str:
       w = a.get("wasted_vs_grpo")
       lines.append(
           f"| {a['method']} | {a['seeds']} | {_fmt(a['accuracy_final'])} | "
-          f"{_fmt(a['effective_ratio'])} | {'-' if w is None else f'{w:.2f}'} | "
+          f"{_fmt(a['effective_ratio'])} | {_fmt(a.get('mixed_groups'), 1)} | "
+          f"{'-' if w is None else f'{w:.2f}'} | "
           f"{_fmt(a.get('accuracy_minus_grpo'))} | {tok_s} | {roll_s} | "
           f"{_fmt(a['stage1_mixed'])} | {_fmt(a['slice_auc'])} | "
           f"{_fmt(a['anchor_depth_mean'], 2)} |")
@@ -383,8 +464,14 @@ def main(argv):
           "groups of 4 over the whole hop mix", flush=True)
   rows = plan(methods, _SEEDS.value, _BASELINE_SEEDS.value, regimes, budgets, keys)
   todo = sorted({r["run"] for r in rows})
-  done = [r for r in todo if os.path.exists(os.path.join(_RUNS.value, r, "summary.json"))]
-  print(f"[compare] {len(rows)} rows, {len(todo)} runs, {len(done)} already finished", flush=True)
+  archive = os.path.join(_OUT.value, "runs")
+  finished = lambda run: any(os.path.exists(os.path.join(d, run, "summary.json"))  # noqa: E731
+                             for d in (_RUNS.value, archive))
+  carried = {k: v for k, v in carried_rows(os.path.join(_OUT.value, "summary.json"), todo).items()
+             if not finished(k)}
+  done = [r for r in todo if finished(r) or r in carried]
+  print(f"[compare] {len(rows)} rows, {len(todo)} runs, {len(done)} already finished"
+        + (f" ({len(carried)} carried from the earlier summary)" if carried else ""), flush=True)
   if _DRY.value:
     for r in rows:
       print(r["run"], r["budget"], json.dumps(r["overrides"]))
@@ -396,11 +483,27 @@ def main(argv):
     if not rows:
       raise SystemExit(f"[compare] none of the {len(todo)} planned runs has finished under "
                        f"{_RUNS.value}")
+  table_rows = []  # (planned row, carried row or None)
   for r in rows:
+    if r["run"] in carried:
+      old = carried_row(r, carried)
+      if old is None:  # carried run, but this budget's row was never summarized
+        missing.append(f"{r['run']} ({r['budget']})")
+        continue
+      table_rows.append((r, old))
+      continue
     if r["run"] not in summaries:
-      summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value)
-  recs = {run: _records(os.path.join(_RUNS.value, run)) for run in summaries}
-  table = [run_row(r, summaries[r["run"]], recs[r["run"]]) for r in rows]
+      summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value,
+                                    archive)
+      archive_run(os.path.join(_RUNS.value, r["run"]), os.path.join(archive, r["run"]))
+    table_rows.append((r, None))
+  recs = {run: _records(os.path.join(_RUNS.value, run), os.path.join(archive, run))
+          for run in summaries}
+  base_prompts = int(_load_config(_CONFIG.value).rollout.prompts_per_step)
+  table = [with_mixed_groups(old if old is not None else run_row(r, summaries[r["run"]],
+                                                                 recs[r["run"]]),
+                             prompts_per_step(r, _SET.value, base_prompts))
+           for r, old in table_rows]
   aggs = aggregate(table)
   os.makedirs(_OUT.value, exist_ok=True)
   out = dict(command="python launch/compare.py " + " ".join(sys.argv[1:]),

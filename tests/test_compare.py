@@ -51,7 +51,16 @@ def test_aggregate_against_grpo():
   assert t["wasted_vs_grpo"] == pytest.approx(0.5)
   assert t["accuracy_minus_grpo"] == pytest.approx(0.05)
   md = compare.markdown(list(aggs.values()))
-  assert "| trace_tree | 3 | 0.470 ± 0.020 | 0.800 ± 0.000 | 0.50 | +0.050 |" in md
+  assert "| trace_tree | 3 | 0.470 ± 0.020 | 0.800 ± 0.000 | - | 0.50 | +0.050 |" in md
+  # Mixed groups per step: the ratio times the prompts a run trains on. Fewer prompts at a higher
+  # ratio can be fewer mixed groups.
+  a = compare.with_mixed_groups(dict(effective_ratio=0.665), 24)
+  assert a["mixed_groups"] == pytest.approx(15.96) and a["prompts_per_step"] == 24
+  assert compare.with_mixed_groups(dict(effective_ratio=None), 24)["mixed_groups"] is None
+  row = dict(overrides={"rollout.prompts_per_step": "32"})
+  assert compare.prompts_per_step(row, [], 16) == 32
+  assert compare.prompts_per_step(row, ["rollout.prompts_per_step=24", "x=1"], 16) == 24
+  assert compare.prompts_per_step(dict(overrides={}), [], 16) == 16
 
 
 SMOKE = ["--config.world.cache_dir={cache}", "--config.rl.steps=1", "--config.sft.steps=3",
@@ -102,6 +111,49 @@ def test_compare_smoke_and_resume(tmp_path):
   assert sorted(summary["missing_runs"]) == ["default/rollouts/grpo-seed1",
                                              "default/tokens/trace_tree-seed1"]
   assert "Planned but not run yet (2)" in open(tmp_path / "out" / "summary.md").read()
+  # On another machine, without the run workdirs: the archive in --out stands for them.
+  import shutil
+  shutil.rmtree(tmp_path / "runs")
+  moved = subprocess.run([*args, "--summarize_only", "--plots=false"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+  assert moved.returncode == 0, moved.stdout[-3000:]
+  assert "2 already finished" in moved.stdout
+  rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))["runs"]}
+  for m in ("trace_tree", "grpo"):
+    for k in ("accuracy_final", "effective_ratio", "generated_tokens", "stage1_mixed"):
+      assert rows[m][k] == runs[m][k], (m, k)
+
+
+def test_archive_and_carried_rows(tmp_path):
+  work = tmp_path / "runs" / "default" / "rollouts" / "grpo-seed0"
+  work.mkdir(parents=True)
+  (work / "summary.json").write_text(json.dumps({"accuracy_final": 0.4}))
+  recs = [{"step": i, "effective_ratio": 0.5 + i / 10} for i in range(3)]
+  (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  arch = tmp_path / "out" / "runs" / "default" / "rollouts" / "grpo-seed0"
+  assert compare.archive_run(str(work), str(arch))
+  assert not compare.archive_run(str(tmp_path / "nothing"), str(tmp_path / "x"))
+  import shutil
+  shutil.rmtree(tmp_path / "runs")
+  assert compare._records(str(work), str(arch)) == recs  # read back from the gzipped copy
+  assert compare._records(str(work)) == []
+  # An earlier summary's rows: a root-only method's row serves the other budget mode; a two-stage
+  # method's row does not.
+  old = {"runs": [dict(method="grpo", seed=0, regime="default", budget="rollouts",
+                       run="default/rollouts/grpo-seed0", accuracy_final=0.4),
+                  dict(method="trace_tree", seed=0, regime="default", budget="rollouts",
+                       run="default/rollouts/trace_tree-seed0", accuracy_final=0.5)]}
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps(old))
+  carried = compare.carried_rows(str(path), {"default/rollouts/grpo-seed0",
+                                             "default/rollouts/trace_tree-seed0"})
+  rows = compare.plan(["grpo", "trace_tree"], 1, 1, ["default"], ["rollouts", "tokens"])
+  got = {(r["method"], r["budget"]): compare.carried_row(r, carried) for r in rows}
+  assert got[("grpo", "tokens")]["budget"] == "tokens"
+  assert got[("grpo", "tokens")]["accuracy_final"] == 0.4 and got[("grpo", "tokens")]["carried"]
+  assert got[("trace_tree", "rollouts")]["accuracy_final"] == 0.5
+  assert got[("trace_tree", "tokens")] is None  # its token-budget run is another run
+  assert compare.carried_rows(str(tmp_path / "absent.json"), set()) == {}
 
 
 def test_plan_is_seed_major():
