@@ -72,6 +72,8 @@ def _base():
   c.env.max_seq_len = 384      # whole trajectory
   c.env.inject_stall = ""      # fault injection for tests: "PROCESS:SECONDS", that process's first
                                # environment step stalls SECONDS (a hung tool call on one host)
+  c.env.inject_retriever_errors = ""  # fault injection for tests: "PROCESS:COUNT", that process's
+                               # first COUNT retriever calls fail (each becomes error observations)
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
   c.sft.num_traces = 24000

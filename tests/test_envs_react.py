@@ -180,6 +180,21 @@ def test_retriever_failure_becomes_error_observation():
   assert env.step_batch(states[:1], ["<answer>x</answer>"])[0].reward == 1.0
 
 
+def test_injected_retriever_errors_fail_the_first_calls_of_one_process_only():
+  from trace_jax.assets import FailingRetriever, _process_fault
+  assert _process_fault("", "f") is None and _process_fault("0:2", "f") == "2"
+  assert _process_fault("1:2", "f") is None  # another process's fault (this is process 0)
+  for bad in ("2", "a:1", "0:x", "-1:2"):
+    with pytest.raises(ValueError, match="expected PROCESS:VALUE"):
+      _process_fault(bad, "env.inject_retriever_errors")
+  ret = FakeRetriever()
+  env = MultiHopEnv(FailingRetriever(ret, 2), "em", max_turns=4, topk=1)
+  s = env.reset(["Orsk"])
+  outs = [env.step_batch([s], [f"<search>q{i}</search>"])[0] for i in range(3)]
+  assert ["Search failed" in o.observation_text for o in outs] == [True, True, False]
+  assert len(ret.calls) == 1 and env.counters["retriever_errors"] == 2
+
+
 def test_forked_states_are_independent():
   env = MultiHopEnv(FakeRetriever(), "em", max_turns=3, topk=1)
   root = env.reset(["Orsk"])

@@ -110,6 +110,25 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
   return info
 
 
+class FailingRetriever:
+  """A retriever whose first `count` searches raise `RetrieverError` (fault injection: a tool that
+  fails on one host after its retries); otherwise the wrapped retriever."""
+
+  def __init__(self, retriever, count: int):
+    self.retriever, self.left = retriever, count
+
+  def search(self, queries, k):
+    from trace_jax.envs.http_retriever import RetrieverError
+    if self.left > 0:
+      self.left -= 1
+      print(f"[trace_jax] injected retriever error ({self.left} more to come)", flush=True)
+      raise RetrieverError("injected retriever error")
+    return self.retriever.search(queries, k)
+
+  def __getattr__(self, name):
+    return getattr(self.__dict__["retriever"], name)
+
+
 class StallOnce:
   """An environment whose first step stalls `seconds` (fault injection: a hung tool call on one
   host); otherwise the wrapped environment."""
@@ -139,12 +158,28 @@ def build_env(c, assets: "Assets"):
                     topk=c.retriever.topk,
                     max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
                     max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
-  stall = str(c.env.get("inject_stall", "") or "")
-  if stall:  # fault injection (tests): "PROCESS:SECONDS"
-    proc, _, seconds = stall.partition(":")
-    if int(proc) == jax.process_index():
-      env = StallOnce(env, float(seconds))
+  failing = _process_fault(c.env.get("inject_retriever_errors", ""), "env.inject_retriever_errors")
+  if failing is not None:  # fault injection (tests): "PROCESS:COUNT"
+    env.retriever = FailingRetriever(env.retriever, int(failing))
+  stall = _process_fault(c.env.get("inject_stall", ""), "env.inject_stall")
+  if stall is not None:  # fault injection (tests): "PROCESS:SECONDS"
+    env = StallOnce(env, float(stall))
   return env
+
+
+def _process_fault(spec, field: str):
+  """The value of a "PROCESS:VALUE" fault for this process, or None (no fault, or another
+  process's)."""
+  spec = str(spec or "")
+  if not spec:
+    return None
+  proc, sep, value = spec.partition(":")
+  try:
+    if not sep or int(proc) < 0 or float(value) < 0:
+      raise ValueError
+  except ValueError:
+    raise ValueError(f"{field}={spec!r}: expected PROCESS:VALUE, e.g. 1:30") from None
+  return value if int(proc) == jax.process_index() else None
 
 
 # What a local HF model directory must hold before anything is loaded from it.
@@ -297,7 +332,7 @@ def sft_seed(c) -> int:
   return int(c.seed if s is None or s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall")
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall", "inject_retriever_errors")
 
 
 def warm_start_key(c) -> str:
