@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 
+from conftest import xla_flags
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 
 def device_env(devices: int = 8, **extra) -> dict:
   """The environment of a process with `devices` CPU devices."""
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-              JAX_PLATFORMS="cpu", **extra)
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
 
 
 def last_json(out: str) -> dict:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  return smoke_run(str(tmp_path_factory.mktemp("smoke")))
+  return smoke_run(tmp_path_factory)
 
 
 def _world(run):

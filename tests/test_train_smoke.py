@@ -4,24 +4,23 @@ The run (about a minute of compilation and sampling on 2 cores) is made once per
 `smoke_run`; `tests/test_eval_launch.py` evaluates the same run's checkpoint.
 """
 
+import fcntl
 import glob
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
+
+# Launched runs share the tests' persistent compilation cache: a resumed run compiles nothing again.
+from conftest import COMPILE_CACHE, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT_BUDGET, PREFIX_BUDGET = 4, 2
 SUMMARY_KEYS = ("accuracy_start", "accuracy_final", "effective_ratio", "generated_tokens",
                 "rollouts", "wall_seconds", "method", "seed")
-
-
-# Launched runs share one persistent compilation cache: a resumed run compiles nothing again.
-COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"trace_jax_test_jit_cache_{os.getuid()}")
 
 
 def launch_env(devices: int = 1) -> dict:
@@ -30,7 +29,7 @@ def launch_env(devices: int = 1) -> dict:
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
   if devices > 1:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
   return env
 
 
@@ -55,9 +54,31 @@ def smoke_args(base, steps):
 _RUNS = {}
 
 
-def smoke_run(base) -> dict:
-  """Trains 2 steps, then resumes to 3 in the same workdir (once per session). Returns paths,
-  outputs and both summaries."""
+def smoke_run(tmp_path_factory) -> dict:
+  """Trains 2 steps, then resumes to 3 in the same workdir, once per test session, also when the
+  suite runs on several workers: the first worker to ask trains it under a lock in the session's
+  shared temporary directory, the others wait and read it. Returns paths, outputs and both
+  summaries."""
+  if "run" in _RUNS:
+    return _RUNS["run"]
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the workers' directories share this parent
+  base = os.path.join(str(root), "smoke_shared")
+  os.makedirs(base, exist_ok=True)
+  with open(os.path.join(base, ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = os.path.join(base, "smoke_run.json")
+    if os.path.exists(done):
+      _RUNS["run"] = json.load(open(done))
+    else:
+      _train_smoke_run(base)
+      with open(done, "w") as f:
+        json.dump(_RUNS["run"], f)
+  return _RUNS["run"]
+
+
+def _train_smoke_run(base):
   if "run" not in _RUNS:
     t0 = time.time()
     first = launch("train.py", *smoke_args(base, 2))
@@ -79,7 +100,7 @@ def smoke_run(base) -> dict:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  return smoke_run(str(tmp_path_factory.mktemp("smoke")))
+  return smoke_run(tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def args_in(run, workdir, steps, *extra):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  return smoke_run(str(tmp_path_factory.mktemp("smoke")))
+  return smoke_run(tmp_path_factory)
 
 
 @pytest.mark.slow
