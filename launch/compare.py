@@ -115,9 +115,8 @@ def _load_config(config: str):
   return mod.get_config(arg or None)
 
 
-def _config_keys(config: str) -> set[str]:
-  """Dotted keys of the base config (to apply an override only where the field exists)."""
-  c = _load_config(config)
+def _config_keys(c) -> set[str]:
+  """Dotted keys of the loaded base config (to apply an override only where the field exists)."""
 
   def walk(d, prefix=""):
     for k, v in d.items():
@@ -195,13 +194,17 @@ def _records(workdir, archived=None):
 
 
 def archive_run(workdir, archived) -> bool:
-  """Copies a finished run's summary.json and its metrics (gzipped) to `archived`; False when the
-  workdir has no summary (an archived-only run)."""
+  """Copies a finished run's summary.json and its metrics (gzipped) to `archived`, unless the
+  archived summary is already as new; False when the workdir has no summary (an archived-only
+  run)."""
   src = os.path.join(workdir, "summary.json")
   if not os.path.exists(src):
     return False
+  dst = os.path.join(archived, "summary.json")
+  if os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src):
+    return True
   os.makedirs(archived, exist_ok=True)
-  shutil.copyfile(src, os.path.join(archived, "summary.json"))
+  shutil.copyfile(src, dst)
   metrics = os.path.join(workdir, "metrics.jsonl")
   if os.path.exists(metrics):
     with open(metrics, "rb") as f, gzip.GzipFile(os.path.join(archived, "metrics.jsonl.gz"), "wb",
@@ -458,7 +461,8 @@ def main(argv):
   if unknown or set(regimes) - set(REGIMES) or set(budgets) - set(BUDGETS):
     raise SystemExit(f"unknown methods {unknown}, regimes {set(regimes) - set(REGIMES)} or budgets "
                      f"{set(budgets) - set(BUDGETS)}")
-  keys = _config_keys(_CONFIG.value)
+  base = _load_config(_CONFIG.value)
+  keys = _config_keys(base)
   if "low_contrast" in regimes and LOW_CONTRAST_HOPS[0] not in keys:
     print(f"[compare] the config has no {LOW_CONTRAST_HOPS[0]}: the low-contrast regime uses "
           "groups of 4 over the whole hop mix", flush=True)
@@ -499,7 +503,7 @@ def main(argv):
     table_rows.append((r, None))
   recs = {run: _records(os.path.join(_RUNS.value, run), os.path.join(archive, run))
           for run in summaries}
-  base_prompts = int(_load_config(_CONFIG.value).rollout.prompts_per_step)
+  base_prompts = int(base.rollout.prompts_per_step)
   table = [with_mixed_groups(old if old is not None else run_row(r, summaries[r["run"]],
                                                                  recs[r["run"]]),
                              prompts_per_step(r, _SET.value, base_prompts))

@@ -79,23 +79,21 @@ def smoke_run(tmp_path_factory) -> dict:
 
 
 def _train_smoke_run(base):
-  if "run" not in _RUNS:
-    t0 = time.time()
-    first = launch("train.py", *smoke_args(base, 2))
-    assert first.returncode == 0, first.stdout[-4000:]
-    summary2 = json.load(open(os.path.join(base, "run", "summary.json")))
-    # What a kill -9 between a step's metrics and its checkpoint leaves: a record of a step that
-    # no checkpoint holds, and a torn last line. The resume drops both.
-    with open(os.path.join(base, "run", "metrics.jsonl"), "a") as f:
-      f.write(json.dumps({"step": 3, "effective_ratio": 0.5}) + "\n" + '{"step": 3, "eff')
-    t1 = time.time()
-    second = launch("train.py", *smoke_args(base, 3))
-    assert second.returncode == 0, second.stdout[-4000:]
-    _RUNS["run"] = dict(workdir=os.path.join(base, "run"), cache=os.path.join(base, "cache"),
-                        first=first.stdout, second=second.stdout, summary2=summary2,
-                        summary3=json.load(open(os.path.join(base, "run", "summary.json"))),
-                        seconds=(t1 - t0, time.time() - t1))
-  return _RUNS["run"]
+  t0 = time.time()
+  first = launch("train.py", *smoke_args(base, 2))
+  assert first.returncode == 0, first.stdout[-4000:]
+  summary2 = json.load(open(os.path.join(base, "run", "summary.json")))
+  # What a kill -9 between a step's metrics and its checkpoint leaves: a record of a step that
+  # no checkpoint holds, and a torn last line. The resume drops both.
+  with open(os.path.join(base, "run", "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 3, "effective_ratio": 0.5}) + "\n" + '{"step": 3, "eff')
+  t1 = time.time()
+  second = launch("train.py", *smoke_args(base, 3))
+  assert second.returncode == 0, second.stdout[-4000:]
+  _RUNS["run"] = dict(workdir=os.path.join(base, "run"), cache=os.path.join(base, "cache"),
+                      first=first.stdout, second=second.stdout, summary2=summary2,
+                      summary3=json.load(open(os.path.join(base, "run", "summary.json"))),
+                      seconds=(t1 - t0, time.time() - t1))
 
 
 @pytest.fixture(scope="module")
