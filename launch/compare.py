@@ -36,7 +36,9 @@ metrics as metrics.jsonl.gz), so a committed campaign can be summarized and exte
 machine without the run workdirs: an archived run counts as finished. Rows of an earlier
 summary.json in --out whose run is neither in --runs nor archived (campaigns from before the
 archive) are carried over as they are (`"carried": true`); they have no per-step records, so they
-enter the tables but not the curves.
+enter the tables but not the curves. An invocation that plans a subset of the runs (one method,
+fewer seeds) keeps the earlier summary's rows of the other runs under "earlier_runs", out of its
+tables, so that a later invocation can still carry them.
 """
 
 from __future__ import annotations
@@ -156,15 +158,24 @@ def train_args(config, workdir, overrides, warm_seed, extra) -> list[str]:
   return args + [f"--config.{x}" for x in extra]
 
 
+def finished_summary(runs_dir, archive, run) -> str | None:
+  """The summary.json of a finished run: its workdir's under `runs_dir`, else the archived copy
+  under `archive`; None when the run has not finished."""
+  for d in (runs_dir, archive):
+    path = os.path.join(d, run, "summary.json") if d else None
+    if path and os.path.exists(path):
+      return path
+  return None
+
+
 def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
   """Trains one run (unless its summary exists in `runs_dir` or in `archive`) and returns its
   summary."""
+  done = finished_summary(runs_dir, archive, row["run"])
+  if done:
+    return json.load(open(done))
   workdir = os.path.join(runs_dir, row["run"])
   path = os.path.join(workdir, "summary.json")
-  if os.path.exists(path):
-    return json.load(open(path))
-  if archive and os.path.exists(os.path.join(archive, row["run"], "summary.json")):
-    return json.load(open(os.path.join(archive, row["run"], "summary.json")))
   os.makedirs(os.path.dirname(workdir), exist_ok=True)
   cmd = [sys.executable, os.path.join(_ROOT, "launch", "train.py"),
          *train_args(config, workdir, row["overrides"], warm_seed, extra)]
@@ -213,19 +224,31 @@ def archive_run(workdir, archived) -> bool:
   return True
 
 
-def carried_rows(path, runs) -> dict:
-  """Rows of an earlier summary.json at `path` for the given runs: {run: {budget: row}}."""
+def _summary_rows(path) -> list[dict]:
+  """Every row an earlier summary.json at `path` holds: its tables' rows and the rows it kept for
+  runs outside its own plan."""
   if not os.path.exists(path):
-    return {}
+    return []
   try:
     old = json.load(open(path))
   except (OSError, ValueError):
-    return {}
+    return []
+  return list(old.get("runs", [])) + list(old.get("earlier_runs", []))
+
+
+def carried_rows(path, runs) -> dict:
+  """Rows of an earlier summary.json at `path` for the given runs: {run: {budget: row}}."""
   out = {}
-  for r in old.get("runs", []):
+  for r in _summary_rows(path):
     if r.get("run") in runs:
       out.setdefault(r["run"], {})[r["budget"]] = dict(r, carried=True)
   return out
+
+
+def earlier_rows(path, runs) -> list[dict]:
+  """Rows of an earlier summary.json at `path` for runs NOT in `runs`: an invocation that plans a
+  subset keeps them (under "earlier_runs"), so that rewriting the summary loses no result."""
+  return [r for r in _summary_rows(path) if r.get("run") not in runs]
 
 
 def carried_row(row, carried):
@@ -469,10 +492,10 @@ def main(argv):
   rows = plan(methods, _SEEDS.value, _BASELINE_SEEDS.value, regimes, budgets, keys)
   todo = sorted({r["run"] for r in rows})
   archive = os.path.join(_OUT.value, "runs")
-  finished = lambda run: any(os.path.exists(os.path.join(d, run, "summary.json"))  # noqa: E731
-                             for d in (_RUNS.value, archive))
-  carried = {k: v for k, v in carried_rows(os.path.join(_OUT.value, "summary.json"), todo).items()
-             if not finished(k)}
+  finished = lambda run: finished_summary(_RUNS.value, archive, run) is not None  # noqa: E731
+  old_summary = os.path.join(_OUT.value, "summary.json")
+  carried = {k: v for k, v in carried_rows(old_summary, todo).items() if not finished(k)}
+  earlier = earlier_rows(old_summary, set(todo))
   done = [r for r in todo if finished(r) or r in carried]
   print(f"[compare] {len(rows)} rows, {len(todo)} runs, {len(done)} already finished"
         + (f" ({len(carried)} carried from the earlier summary)" if carried else ""), flush=True)
@@ -516,7 +539,7 @@ def main(argv):
              overrides=_SET.value, warm_start_seed=_WARM_SEED.value,
              regimes={k: REGIMES[k] for k in regimes}, budgets={k: BUDGETS[k] for k in budgets},
              low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
-             runs=table, aggregates=aggs, missing_runs=missing)
+             runs=table, aggregates=aggs, missing_runs=missing, earlier_runs=earlier)
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(out, f, indent=1, default=str)
   md = markdown(aggs)

@@ -154,6 +154,14 @@ def test_archive_and_carried_rows(tmp_path):
   assert got[("trace_tree", "rollouts")]["accuracy_final"] == 0.5
   assert got[("trace_tree", "tokens")] is None  # its token-budget run is another run
   assert compare.carried_rows(str(tmp_path / "absent.json"), set()) == {}
+  # A summary rewritten for a subset keeps the other runs' rows, and they can be carried again.
+  assert [r["run"] for r in compare.earlier_rows(str(path), {"default/rollouts/grpo-seed0"})] == [
+      "default/rollouts/trace_tree-seed0"]
+  path.write_text(json.dumps({"runs": old["runs"][:1], "earlier_runs": old["runs"][1:]}))
+  again = compare.carried_rows(str(path), {"default/rollouts/trace_tree-seed0"})
+  assert again["default/rollouts/trace_tree-seed0"]["rollouts"]["accuracy_final"] == 0.5
+  assert compare.earlier_rows(str(path), {"default/rollouts/grpo-seed0",
+                                          "default/rollouts/trace_tree-seed0"}) == []
 
 
 def test_plan_is_seed_major():
