@@ -32,10 +32,11 @@ def xla_flags(devices: int) -> str:
 # The heaviest files first (measured on 2 cores), so the two workers finish together: the
 # scheduler hands out files in collection order (`--no-loadscope-reorder`), two queued per worker.
 # The file that trains the shared smoke run comes before the files that read it.
-HEAVY_FIRST = ("test_multiprocess_train.py", "test_train_smoke.py", "test_real_path.py",
-               "test_notebooks.py", "test_resume.py", "test_update_sharded.py", "test_compare.py",
-               "test_eval_launch.py", "test_sampler_sharded.py", "test_plan.py", "test_update.py",
-               "test_qwen3_model.py", "test_parallel.py")
+HEAVY_FIRST = ("test_real_path.py", "test_multiprocess_train.py", "test_train_smoke.py",
+               "test_notebooks.py", "test_resume.py",
+               "test_update_sharded.py", "test_compare.py", "test_eval_launch.py",
+               "test_sampler_sharded.py", "test_plan.py", "test_update.py", "test_qwen3_model.py",
+               "test_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):

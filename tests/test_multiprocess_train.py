@@ -1,6 +1,7 @@
 """`launch/train.py` as two JAX processes on 127.0.0.1 (4 CPU devices each, one global mesh of 8):
 the smoke run of `tests/test_train_smoke.py` for 2 RL steps, with process 1's first environment
-step stalled past gloo's 30 s window, then a resume of both to step 3.
+step stalled past gloo's 30 s window. (A resume of both processes, and a tool failure on one of
+them, are tested on the real-checkpoint path: `tests/test_real_path.py`.)
 
 Each process samples its share of every step's requests on its own 4 devices and sees every tree;
 the update runs on the global (data 2, fsdp 2, tensor 2) mesh; only process 0 writes the run's
@@ -28,19 +29,17 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def launch_pair(base, steps, process1_args=(), timeout=900):
+def launch_pair(base, args, process1_args=(), timeout=900, name="pair"):
   """Runs both processes of one `launch/train.py` command (process 1 with `process1_args` too);
   returns their outputs. Kills both when either fails or the pair runs past `timeout` seconds."""
   port = _free_port()
-  # Each process pads its pool to whole trees per shard: 2 pool shards per process on this mesh.
-  args = smoke_args(base, steps) + [f"--config.mesh={MESH}", "--config.rollout.num_pages=512"]
   procs, logs = [], []
   for i in range(2):
     env = dict(launch_env(devices=4), TRACE_JAX_COORDINATOR=f"127.0.0.1:{port}",
                TRACE_JAX_NUM_PROCESSES="2", TRACE_JAX_PROCESS_ID=str(i),
                TRACE_JAX_INIT_TIMEOUT="120", TRACE_JAX_HEARTBEAT_TIMEOUT="60",
                TRACE_JAX_GATHER_TIMEOUT="300", TRACE_JAX_SHUTDOWN_TIMEOUT="60")
-    log = open(os.path.join(base, f"steps{steps}-process{i}.log"), "w+")
+    log = open(os.path.join(base, f"{name}-process{i}.log"), "w+")
     logs.append(log)
     extra = list(process1_args) if i == 1 else []
     procs.append(subprocess.Popen(
@@ -68,19 +67,21 @@ def launch_pair(base, steps, process1_args=(), timeout=900):
   return outs
 
 
+def _smoke_pair_args(base, steps):
+  # Each process pads its pool to whole trees per shard: 2 pool shards per process on this mesh.
+  return smoke_args(base, steps) + [f"--config.mesh={MESH}", "--config.rollout.num_pages=512"]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
   base = str(tmp_path_factory.mktemp("multiprocess"))
   t0 = time.time()
   # Process 1's first tool call hangs for 35 s: process 0 waits for it at the next gather.
-  first = launch_pair(base, 2, [f"--config.env.inject_stall=1:{STALL_S}"])
-  summary2 = json.load(open(os.path.join(base, "run", "summary.json")))
-  t1 = time.time()
-  second = launch_pair(base, 3)
-  return dict(base=base, workdir=os.path.join(base, "run"), first=first, second=second,
-              summary2=summary2, summary3=json.load(open(os.path.join(base, "run",
-                                                                       "summary.json"))),
-              seconds=(t1 - t0, time.time() - t1))
+  first = launch_pair(base, _smoke_pair_args(base, 2), [f"--config.env.inject_stall=1:{STALL_S}"],
+                      name="steps2")
+  print(f"two-process smoke run {time.time() - t0:.0f}s")
+  return dict(base=base, workdir=os.path.join(base, "run"), first=first,
+              summary2=json.load(open(os.path.join(base, "run", "summary.json"))))
 
 
 @pytest.mark.slow
@@ -91,12 +92,12 @@ def test_two_processes_train_the_global_step(pair):
   assert s["rollouts"] == 2 * (ROOT_BUDGET + PREFIX_BUDGET)
   assert s["generated_tokens"] > 0 and 0.0 <= s["effective_ratio"] <= 1.0
   w = pair["workdir"]
-  assert {"2", "3"} <= set(os.listdir(os.path.join(w, "checkpoints")))  # written together
+  assert "2" in set(os.listdir(os.path.join(w, "checkpoints")))  # written together
   recs = [json.loads(line) for line in open(os.path.join(w, "metrics.jsonl"))]
   rl = [r for r in recs if "effective_ratio" in r]
   # one writer: each RL step recorded once, with the rollouts of the whole (global) step
-  assert [r["step"] for r in rl] == [1, 2, 3]
-  assert [r["rollouts_total"] for r in rl] == [(ROOT_BUDGET + PREFIX_BUDGET) * k for k in (1, 2, 3)]
+  assert [r["step"] for r in rl] == [1, 2]
+  assert [r["rollouts_total"] for r in rl] == [(ROOT_BUDGET + PREFIX_BUDGET) * k for k in (1, 2)]
   assert all(r["finite"] == 1.0 for r in rl)
   # the stalled process held the other one up without breaking the run: both exited 0 having built
   # the same steps (the loop checks that each step's record agrees across processes)
@@ -104,14 +105,3 @@ def test_two_processes_train_the_global_step(pair):
   # only process 0 prints the summary
   assert "rollouts" in pair["first"][0].split("[trace_jax] step 2")[-1]
   assert "slot_utilization" not in pair["first"][1]
-
-
-@pytest.mark.slow
-def test_two_processes_resume_together(pair):
-  for out in pair["second"]:
-    assert "resumed at step 2" in out, out[-3000:]
-  s = pair["summary3"]
-  assert s["steps"] == 3 and s["rollouts"] == 3 * (ROOT_BUDGET + PREFIX_BUDGET)
-  assert s["generated_tokens"] > pair["summary2"]["generated_tokens"]
-  assert s["evals"].keys() >= {"0", "2", "3"}
-  print(f"two-process smoke run {pair['seconds'][0]:.0f}s, resume {pair['seconds'][1]:.0f}s")
