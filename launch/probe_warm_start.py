@@ -7,6 +7,11 @@ success, and the success of rollouts after a trap-hop search that surfaced the n
 planted misleading one. Then an offline fit of the predictor head on the prefix features of those
 rollouts (70/30 split by prompt), to separate "the features carry no signal" from "online training
 does not extract it". Writes results/warm_start_probe.json.
+
+With --feature_variants, the offline fit is repeated on each feature the head could read
+(`trace_jax.diagnostics.FEATURE_VARIANTS`: the last token's final state, as today; the middle
+layer's; the final states averaged over the prefix or over the prompt; two concatenations), over
+--splits random prompt splits, reporting held-out root and anchor AUC and Brier skill.
 """
 
 import json
@@ -29,6 +34,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs
 _PROMPTS = flags.DEFINE_integer("prompts", 256, "train prompts probed")
 _TEMPS = flags.DEFINE_string("temperatures", "1.0,0.8", "sampling temperatures")
 _OUT = flags.DEFINE_string("out", "results/warm_start_probe.json", "output JSON")
+_VARIANTS = flags.DEFINE_bool(
+    "feature_variants", False, "also fit the head offline on each feature variant of "
+    "trace_jax.diagnostics.FEATURE_VARIANTS (a teacher-forced forward over every prefix)")
+_SPLITS = flags.DEFINE_integer("splits", 5, "random 70/30 prompt splits per feature variant")
 
 
 def main(argv):
@@ -76,29 +85,97 @@ def main(argv):
     res = dict(mixed_share=tm["effective_ratio"], sampled_success=tm["reward_mean"],
                **prefix_signal(trees, assets.world))
     if temp == c.rollout.temperature:  # offline predictor fit on this temperature's rollouts
-      split = int(0.7 * len(trees))
-      d_model = nnx.merge(graphdef, params).cfg.hidden_size
-      head = PredictorHead(d_model, c.model.predictor_hidden, rngs=nnx.Rngs(c.seed + 1))
-      hg, hs = nnx.split(head)
       tx = make_optimizers(UpdateConfig(predictor_lr=c.rl.predictor_lr))[1]
-      fitter = PredictorFitter(hg, tx, steps=300, buffer_steps=1, max_rows=10**6)
-      fitter.add(trees[:split])
-      hs, _, info = fitter.fit(hs, tx.init(hs))
-      x, y = node_examples(trees[split:])
-      p = np.asarray(nnx.merge(hg, hs).prob(x))
-      kinds = np.asarray([_kind(n) for t in trees[split:] for n in t.nodes
-                          if n.feature is not None and n.value is not None])
-      res["offline_predictor"] = dict(
-          train_rows=info.get("predictor_fit_rows"), heldout=predictor_report(p, y > 0.5),
-          # What allocation reads: roots (stage 1) and internal turn boundaries (stage 2).
-          **{f"heldout_{k}": predictor_report(p[kinds == k], y[kinds == k] > 0.5)
-             for k in ("root", "anchor")})
+
+      def offline_fit(train, held):
+        d = next(n.feature for t in train for n in t.nodes if n.feature is not None).shape[-1]
+        head = PredictorHead(d, c.model.predictor_hidden, rngs=nnx.Rngs(c.seed + 1))
+        hg, hs = nnx.split(head)
+        fitter = PredictorFitter(hg, tx, steps=300, buffer_steps=1, max_rows=10**6)
+        fitter.add(train)
+        hs, _, info = fitter.fit(hs, tx.init(hs))
+        x, y = node_examples(held)
+        p = np.asarray(nnx.merge(hg, hs).prob(x))
+        kinds = np.asarray([_kind(n) for t in held for n in t.nodes
+                            if n.feature is not None and n.value is not None])
+        # Each root's p̂ against each of its rollouts' outcomes, as the training run's online
+        # metrics score it (the reports above score V(root), the mean of 8 outcomes, above 0.5).
+        p_root = np.asarray(nnx.merge(hg, hs).prob(np.stack([t.root.feature for t in held])))
+        single = [(pr, float(leaf.reward or 0.0) > 0.5) for pr, t in zip(p_root, held)
+                  for leaf in t.leaves()]
+        return dict(
+            train_rows=info.get("predictor_fit_rows"), heldout=predictor_report(p, y > 0.5),
+            # What allocation reads: roots (stage 1) and internal turn boundaries (stage 2).
+            **{f"heldout_{k}": predictor_report(p[kinds == k], y[kinds == k] > 0.5)
+               for k in ("root", "anchor")},
+            heldout_root_single=predictor_report(*map(np.asarray, zip(*single))))
+
+      split = int(0.7 * len(trees))
+      res["offline_predictor"] = offline_fit(trees[:split], trees[split:])
+      if _VARIANTS.value:
+        res["feature_variants"] = _variant_fits(graphdef, params, trees, split, offline_fit)
     out["temperatures"][str(temp)] = res
     engine.release(trees)
     print(temp, json.dumps(res, default=float), flush=True)
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1, default=float)
+
+
+# Training-set sizes (prompts) for the learning curve: the run's warm-start probe fits the head on
+# 32 prompts before RL, and a step adds 16 to 48 scored prompts.
+LEARNING_CURVE_PROMPTS = (16, 32, 64, 128)
+LEARNING_CURVE_VARIANTS = ("final_last", "final_last+prompt_mean")
+
+
+def _variant_fits(graphdef, params, trees, split, offline_fit) -> dict:
+  """The offline fit on each feature variant over `--splits` random prompt splits: per variant,
+  the held-out root and anchor AUC and Brier skill (mean, std over splits and each split's)."""
+  import numpy as np
+
+  from trace_jax.diagnostics import FEATURE_VARIANTS, feature_variants
+
+  feats = feature_variants(graphdef, params, trees)
+  recorded = {(ti, n.id): n.feature for ti, t in enumerate(trees) for n in t.nodes
+              if n.feature is not None}
+  # The teacher-forced final_last must be the feature the sampler recorded during decoding.
+  gap = max(float(np.abs(feats["final_last"][k] - f).max()) for k, f in recorded.items())
+  out = dict(recorded_vs_teacher_forced_max_abs=gap, splits=_SPLITS.value, variants={})
+  rng = np.random.default_rng(1234)
+  orders = [rng.permutation(len(trees)) for _ in range(_SPLITS.value)]
+  try:
+    for v in FEATURE_VARIANTS:
+      for (ti, nid), f in feats[v].items():
+        trees[ti].nodes[nid].feature = f
+      per = []
+      for order in orders:
+        r = offline_fit([trees[i] for i in order[:split]], [trees[i] for i in order[split:]])
+        per.append({f"{k}_{m}": r[f"heldout_{k}"][m] for k in ("root", "anchor", "root_single")
+                    for m in ("auc", "brier_skill", "n")})
+      stats = {k: dict(mean=float(np.mean([p[k] for p in per])),
+                       std=float(np.std([p[k] for p in per], ddof=1)) if len(per) > 1 else 0.0)
+               for k in per[0]}
+      out["variants"][v] = dict(dim=int(next(iter(feats[v].values())).shape[-1]), **stats,
+                                per_split=per)
+      print(v, json.dumps({k: round(s["mean"], 3) for k, s in stats.items()}), flush=True)
+      if v in LEARNING_CURVE_VARIANTS:  # how many training prompts the head needs
+        curve = {}
+        for n_train in (n for n in LEARNING_CURVE_PROMPTS if n < split):
+          aucs = {k: [] for k in ("root_single", "anchor")}
+          for order in orders:
+            r = offline_fit([trees[i] for i in order[:n_train]], [trees[i] for i in order[split:]])
+            for k in aucs:
+              aucs[k].append(r[f"heldout_{k}"]["auc"])
+          curve[str(n_train)] = {f"{k}_auc": dict(mean=float(np.mean(a)),
+                                                   std=float(np.std(a, ddof=1)) if len(a) > 1
+                                                   else 0.0) for k, a in aucs.items()}
+          print(v, n_train, "train prompts", json.dumps(
+              {k: round(x["mean"], 3) for k, x in curve[str(n_train)].items()}), flush=True)
+        out["variants"][v]["learning_curve"] = curve
+  finally:
+    for (ti, nid), f in recorded.items():
+      trees[ti].nodes[nid].feature = f
+  return out
 
 
 def _kind(node) -> str:

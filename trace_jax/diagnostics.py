@@ -46,3 +46,70 @@ def prefix_signal(trees, world) -> dict:
   return dict(success_after_good=float(np.mean(g)) if g else float("nan"),
               success_after_bad=float(np.mean(b)) if b else float("nan"), n_good=len(g),
               n_bad=len(b), share_bad=len(b) / max(len(g) + len(b), 1))
+
+
+# ---- what the predictor head could read (DESIGN item: head features) ------------------------------
+# The sampler records `final_last`, the final-norm hidden state at a prefix's last token. The other
+# variants are by-products of the same forward pass: the residual stream after the middle layer, and
+# the final states averaged over the whole prefix or over the prompt (the question) alone.
+FEATURE_VARIANTS = ("final_last", "mid_last", "final_mean", "prompt_mean", "final_last+mid_last",
+                    "final_last+prompt_mean")
+
+
+def make_feature_variants_step(graphdef):
+  """Jitted teacher-forced forward: (state, tokens i32[B, T] right padded, lens i32[B], prompt_lens
+  i32[B]) -> {variant: f32[B, D]} for the single variants of `FEATURE_VARIANTS`."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  def step(state, tokens, lens, prompt_lens):
+    model = nnx.merge(graphdef, state)
+    t = jnp.arange(tokens.shape[1])[None, :]
+    mask = t < lens[:, None]
+    out = model.forward(tokens, attn_mask=mask, collect_hidden=True, compute_logits=False)
+    hs = out["hidden_states"]  # embeddings, after each layer but the last, final (normed)
+    final, mid = out["hidden"].astype(jnp.float32), hs[(len(hs) - 1) // 2 + 1].astype(jnp.float32)
+    last = jnp.maximum(lens - 1, 0)[:, None, None]
+
+    def mean_over(x, m):
+      m = m.astype(jnp.float32)[..., None]
+      return (x * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+
+    return {"final_last": jnp.take_along_axis(final, last, axis=1)[:, 0],
+            "mid_last": jnp.take_along_axis(mid, last, axis=1)[:, 0],
+            "final_mean": mean_over(final, mask),
+            "prompt_mean": mean_over(final, t < prompt_lens[:, None])}
+
+  return jax.jit(step)
+
+
+def feature_variants(graphdef, state, trees, batch: int = 64, bucket: int = 64) -> dict:
+  """Every variant of `FEATURE_VARIANTS` for every node of `trees` that has a recorded feature:
+  {variant: {(tree index, node id): f32[D']}}, the concatenated variants included."""
+  step = make_feature_variants_step(graphdef)
+  keys, seqs, plens = [], [], []
+  for ti, tree in enumerate(trees):
+    for n in tree.nodes:
+      if n.feature is not None:
+        keys.append((ti, n.id))
+        seqs.append(tree.path_tokens(n.id)[0])
+        plens.append(len(tree.prompt_ids))
+  out = {v: {} for v in FEATURE_VARIANTS}
+  order = np.argsort([len(s) for s in seqs])  # similar lengths together: few padded tokens
+  for lo in range(0, len(order), batch):
+    idx = order[lo:lo + batch]
+    width = -(-max(len(seqs[i]) for i in idx) // bucket) * bucket
+    tokens = np.zeros((batch, width), np.int32)
+    lens, pl = np.ones((batch,), np.int32), np.ones((batch,), np.int32)
+    for r, i in enumerate(idx):
+      tokens[r, :len(seqs[i])], lens[r], pl[r] = seqs[i], len(seqs[i]), plens[i]
+    res = {k: np.asarray(v) for k, v in step(state, tokens, lens, pl).items()}
+    for r, i in enumerate(idx):
+      for k, v in res.items():
+        out[k][keys[i]] = v[r]
+  for combo in FEATURE_VARIANTS:
+    if "+" in combo:
+      a, b = combo.split("+")
+      out[combo] = {key: np.concatenate([out[a][key], out[b][key]]) for key in out[a]}
+  return out

@@ -1,0 +1,64 @@
+"""The feature variants the predictor head could read (`trace_jax.diagnostics.feature_variants`):
+the teacher-forced last-token state is what the sampler's feature step computes, the means cover
+the right spans, and the concatenations stack their parts."""
+
+import numpy as np
+from flax import nnx
+
+from trace_jax.diagnostics import FEATURE_VARIANTS, feature_variants
+from trace_jax.models.qwen3 import Qwen3, get_preset
+from trace_jax.rollout.engine_ops import make_feature_step
+from trace_jax.rollout.tree import Tree
+
+V = 64
+
+
+def _trees():
+  rng = np.random.default_rng(0)
+  trees = []
+  for k in range(3):
+    t = Tree(rng.integers(1, V, 5 + 3 * k).tolist(), uid=k)
+    a = t.add_node(0, gen_ids=rng.integers(1, V, 4).tolist(), obs_ids=[7, 8, 9])
+    t.add_node(a.id, gen_ids=rng.integers(1, V, 6).tolist(), done=True, reward=1.0)
+    t.add_node(0, gen_ids=rng.integers(1, V, 2).tolist(), done=True, reward=0.0)
+    for n in t.nodes:
+      n.feature = np.zeros((4,), np.float32)
+    t.nodes[-1].feature = None  # a leaf whose feature was not recorded: skipped
+    trees.append(t)
+  return trees
+
+
+def test_feature_variants_match_the_sampler_feature_and_their_spans():
+  gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
+  trees = _trees()
+  out = feature_variants(gd, st, trees, batch=4, bucket=8)
+  assert set(out) == set(FEATURE_VARIANTS)
+  keys = {(ti, n.id) for ti, t in enumerate(trees) for n in t.nodes if n.feature is not None}
+  assert all(set(out[v]) == keys for v in FEATURE_VARIANTS) and len(keys) == 9
+  model = nnx.merge(gd, st)
+  d = model.cfg.hidden_size
+  # The sampler's feature step over all prefixes at once (right padded), and one plain forward per
+  # tree over its deepest path: with causal attention, each prefix's states are its first rows.
+  order = sorted(keys)
+  seqs = [trees[ti].path_tokens(nid)[0] for ti, nid in order]
+  pad = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for r, q in enumerate(seqs):
+    pad[r, :len(q)] = q
+  ref = np.asarray(make_feature_step(gd)(st, pad, np.asarray([len(q) for q in seqs], np.int32)))
+  chains = {ti: np.asarray(model.forward(t.path_tokens(2)[0][None])["hidden"][0], np.float32)
+            for ti, t in enumerate(trees)}
+  for r, (ti, nid) in enumerate(order):
+    np.testing.assert_allclose(out["final_last"][(ti, nid)], ref[r], rtol=1e-5, atol=1e-5)
+    final = chains[ti][:len(seqs[r])]
+    np.testing.assert_allclose(out["final_mean"][(ti, nid)], final.mean(0), rtol=1e-4, atol=1e-5)
+    plen = len(trees[ti].prompt_ids)
+    np.testing.assert_allclose(out["prompt_mean"][(ti, nid)], final[:plen].mean(0), rtol=1e-4,
+                               atol=1e-5)
+    assert out["mid_last"][(ti, nid)].shape == (d,)
+    assert not np.allclose(out["mid_last"][(ti, nid)], out["final_last"][(ti, nid)])
+    both = out["final_last+prompt_mean"][(ti, nid)]
+    assert both.shape == (2 * d,)
+    np.testing.assert_array_equal(both[d:], out["prompt_mean"][(ti, nid)])
+  # every node of one tree shares the prompt mean; the root's prefix is the prompt
+  np.testing.assert_allclose(out["prompt_mean"][(0, 0)], out["prompt_mean"][(0, 2)], atol=1e-5)
+  np.testing.assert_allclose(out["prompt_mean"][(1, 0)], out["final_mean"][(1, 0)], atol=1e-5)
