@@ -26,3 +26,7 @@ def test_engine_on_mesh_2x2x2_matches_one_device_and_keeps_the_pool_split():
   assert res["pool_all_gathers"] == []
   assert all("[512," not in s and "[128," not in s for s in res["all_gather_shapes"])
   assert res["released_all"] and not res["recompiled"]
+  # Prompt scoring runs on the sampler's mesh, rows split over the data shards, and gives the
+  # single-device features.
+  assert res["features_spec"] == ["('data', 'fsdp')"] and res["features_shape"] == [6, 128]
+  assert res["features_max_abs_vs_one_device"] < 1e-4

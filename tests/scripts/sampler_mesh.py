@@ -91,6 +91,22 @@ def main():
   res["pool_all_gathers"] = big[:3]
   res["all_gather_shapes"] = sorted({re.search(r"= (\S+) all-gather", ln).group(1)
                                      for ln in gathers})
+  # Prompt scoring on the same mesh: rows split over the data shards, features as on one device.
+  score = engine._features
+
+  def score_spy(state, tokens, lens):
+    out = score(state, tokens, lens)
+    seen["features_spec"] = [str(s) for s in spec_of(out)]
+    return out
+
+  engine._features = score_spy
+  scored = PROMPTS + [[7, 8, 9, 10]] * 3  # 6 prompts: two batches of 4 rows
+  f_mesh = engine.prompt_features(scored)
+  f_one = make_engine(model).prompt_features(scored)
+  res["features_spec"] = seen["features_spec"]
+  res["features_shape"] = list(f_mesh.shape)
+  res["features_max_abs_vs_one_device"] = float(abs(f_mesh - f_one).max())
+  engine._features = score
   # Warm: the same workload again compiles nothing.
   before = engine.compile_counts()
   engine.release(trees)

@@ -286,10 +286,12 @@ def make_prefill_step(graphdef, layout: PoolLayout | None = None):
 
 
 @functools.lru_cache(maxsize=16)
-def make_feature_step(graphdef):
+def make_feature_step(graphdef, layout: PoolLayout | None = None):
   """Jitted plain forward returning the final hidden state at each row's last real token.
 
   step(state, tokens i32[B, T] right padded, lens i32[B]) -> f32[B, D]. One compilation per (B, T).
+  With a `layout`, rows split over its data shards (B a multiple of the shards) and the weights
+  stay as they are laid out for sampling, so prompt scoring runs on the sampler's mesh.
   """
 
   def step(state, tokens, lens):
@@ -299,7 +301,10 @@ def make_feature_step(graphdef):
     last = jnp.maximum(lens - 1, 0)
     return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
-  return jax.jit(step)
+  if layout is None:
+    return jax.jit(step)
+  return jit_pool_fn(step, (None, layout.row_sharding, layout.row_sharding),
+                     out_shardings=layout.row_sharding)
 
 
 __all__ = ["make_decode_step", "make_feature_step", "make_prefill_step", "sample_tokens",

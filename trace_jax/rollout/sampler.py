@@ -152,7 +152,7 @@ class SamplerEngine:
         cfg.decode_steps, tuple(stop_seqs), eos_id)
     self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout)
     self._copy = make_copy_pages(self.layout)
-    self._features = engine_ops.make_feature_step(model_graphdef)
+    self._features = engine_ops.make_feature_step(model_graphdef, self.layout)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
     self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
@@ -206,11 +206,12 @@ class SamplerEngine:
                       count_prefill: bool = True) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
     each prompt's last token (what the engine records as `tree.root.feature`). Batches of
-    `prefill_batch` rows, lengths padded to the page-table buckets (in tokens). The prompt tokens
-    count as prefill in the ledger unless `count_prefill` is False (work that is not sampling,
-    e.g. re-featurizing the predictor's training prompts)."""
+    `prefill_batch` rows (on a mesh: rounded up to whole rows per data shard, the rows split over
+    the shards), lengths padded to the page-table buckets (in tokens). The prompt tokens count as
+    prefill in the ledger unless `count_prefill` is False (work that is not sampling, e.g.
+    re-featurizing the predictor's training prompts)."""
     cfg = self.cfg
-    rows = cfg.prefill_batch
+    rows = self.prefill_rows * self.shards
     out = []
     for i in range(0, len(prompts), rows):
       chunk = [list(p) for p in prompts[i:i + rows]]
