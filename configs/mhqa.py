@@ -35,6 +35,9 @@ def _base():
   c.model.num_layers = 3
   c.model.intermediate_size = 384
   c.model.predictor_hidden = 128  # width of the success predictor's MLP
+  # What the head reads at a prefix: "last" (the final state at its last token) or
+  # "last+prompt_mean" (and the mean final state over the prompt; results/feature_probe.json)
+  c.model.predictor_features = "last"
 
   c.world = ml_collections.ConfigDict()   # the synthetic world (ignored with real data)
   c.world.seed = 0
@@ -369,6 +372,7 @@ def validate(c) -> None:
   _at_least(c, "rl.kl_coef", 0)
   _choice(c, "rl.advantage", ADVANTAGES)
   _choice(c, "rl.predictor_weighting", ("uniform", "visits"))
+  _choice(c, "model.predictor_features", ("last", "last+prompt_mean"))
   _at_least(c, "eval.every", 1)
   _at_least(c, "eval.size", 1, "(an empty evaluation set has no accuracy)")
   _at_least(c, "ckpt.every", 1)

@@ -62,3 +62,53 @@ def test_feature_variants_match_the_sampler_feature_and_their_spans():
   # every node of one tree shares the prompt mean; the root's prefix is the prompt
   np.testing.assert_allclose(out["prompt_mean"][(0, 0)], out["prompt_mean"][(0, 2)], atol=1e-5)
   np.testing.assert_allclose(out["prompt_mean"][(1, 0)], out["final_mean"][(1, 0)], atol=1e-5)
+
+
+# ---- the "last+prompt_mean" predictor features, wired (model.predictor_features) ----------------
+def test_sampler_and_update_compute_the_same_prompt_mean_features():
+  """With `prompt_mean_features`, every node's feature is [its last state, its prompt's mean final
+  state] as a teacher-forced forward computes it; prompt scoring gives the root's; and the update
+  recomputes the same features from a packed batch of the trees (`span_means` per segment)."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.rl.batch import build_sequences, pack_batch
+  from trace_jax.rl.update import span_means
+  from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+  from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv
+
+  gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
+  st = jax.tree.map(lambda x: x * 6.0, st)
+  tok = IdTokenizer({5: "</search>", 6: "</answer>"})
+  cfg = SamplerConfig(num_slots=4, page_size=4, num_pages=512, max_seq_len=96, max_turn_tokens=7,
+                      max_obs_tokens=12, max_turns=4, prefill_chunk=(16,), page_buckets=(24,),
+                      greedy=True, max_group_size=2, max_groups=2, prompt_mean_features=True)
+  engine = SamplerEngine(gd, st, cfg, tok.encode, tok.decode, ScriptedEnv(V), eos_id=1)
+  prompts = [[3, 9, 12, 17, 22, 30, 41], [10, 11, 12], list(range(20, 38))]
+  trees = engine.run([PromptRequest(p, n=2) for p in prompts])
+  engine.run([ForkRequest(t, a.id, 2) for t in trees for a in t.anchors() if a.depth == 1])
+  d = engine.model_cfg.hidden_size
+  ref = feature_variants(gd, st, trees)["final_last+prompt_mean"]
+  assert len(ref) == sum(len(t.nodes) for t in trees) > 12
+  for (ti, nid), f in ref.items():
+    got = trees[ti].nodes[nid].feature
+    assert got.shape == (2 * d,)
+    np.testing.assert_allclose(got, f, rtol=1e-4, atol=1e-4)
+  scored = engine.prompt_features(prompts)
+  np.testing.assert_allclose(scored, np.stack([t.root.feature for t in trees]), atol=1e-4)
+  # The update's features: packed rows of several sequences each, prompts found per segment.
+  seqs, _, _ = build_sequences(trees, "tree_contrastive", 4)
+  batch, info = pack_batch(seqs, row_len=96, preds_per_row=16, row_multiple=1)
+  assert max(np.bincount(batch["segment_ids"][r][batch["segment_ids"][r] > 0]).size - 1
+             for r in range(batch["tokens"].shape[0])) >= 2  # some row holds 2+ sequences
+  hidden = nnx.merge(gd, st).forward(jnp.asarray(batch["tokens"]),
+                                     positions=jnp.asarray(batch["positions"]),
+                                     segment_ids=jnp.asarray(batch["segment_ids"]))["hidden"]
+  last = np.take_along_axis(np.asarray(hidden, np.float32), batch["pred_pos"][..., None], axis=1)
+  feats = np.concatenate([last, np.asarray(span_means(hidden, jnp.asarray(batch["pred_pstart"]),
+                                                      jnp.asarray(batch["pred_plen"])))], -1)
+  nodes = np.stack([n.feature for t in trees for n in t.nodes])
+  used = batch["pred_weight"] > 0
+  assert used.sum() > 12
+  for f in feats[used]:  # each trained prediction reads some node's recorded feature
+    assert np.abs(nodes - f).max(axis=1).min() < 1e-3

@@ -332,7 +332,8 @@ def sft_seed(c) -> int:
   return int(c.seed if s is None or s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall", "inject_retriever_errors")
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall", "inject_retriever_errors",
+                          "predictor_features")
 
 
 def warm_start_key(c) -> str:
@@ -340,7 +341,8 @@ def warm_start_key(c) -> str:
   sft = {k: v for k, v in c.sft.to_dict().items() if k != "seed"}
   # Settings added later that never change the expert traces stay out, so caches stay valid.
   env = {k: v for k, v in c.env.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
-  blob = json.dumps({"world": c.world.to_dict(), "model": c.model.to_dict(), "sft": sft,
+  model = {k: v for k, v in c.model.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
+  blob = json.dumps({"world": c.world.to_dict(), "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 3}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]

@@ -211,7 +211,9 @@ def build(c, validate_fn=None) -> Run:
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
-  head = PredictorHead(model.cfg.hidden_size, c.model.predictor_hidden, rngs=nnx.Rngs(c.seed + 1))
+  prompt_mean = c.model.predictor_features == "last+prompt_mean"  # head reads [last, prompt mean]
+  head = PredictorHead(model.cfg.hidden_size * (2 if prompt_mean else 1), c.model.predictor_hidden,
+                       rngs=nnx.Rngs(c.seed + 1))
   pred_graphdef, pred_params = nnx.split(head)
   print(f"[trace_jax] workdir {workdir}; model {sum(x.size for x in jax.tree.leaves(params)):,} "
         f"params; {len(assets.train)} train / {len(assets.test)} test prompts", flush=True)
@@ -262,7 +264,7 @@ def build(c, validate_fn=None) -> Run:
                       param_dtype=c.model.param_dtype,
                       # log-probs of the sampling policy, softmax(z / T), in the update and the
                       # reference alike (the sampler records the same)
-                      temperature=c.rollout.temperature)
+                      temperature=c.rollout.temperature, prompt_mean_features=prompt_mean)
   if mesh.size > 1 and not multi:  # parameters born in their logical sharding; optimizer states
     params = shard_state(params, mesh)  # follow them
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,

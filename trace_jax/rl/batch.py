@@ -57,7 +57,8 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
   leaves by `pred_leaf_weight` (0: allocation never queries them).
 
   Returns (list of dicts, flat, node_adv). Each dict: tokens, mask (generated and owned), adv,
-  old_logp (i.e. f32/i32 arrays [L]), pred_pos / pred_target / pred_weight ([nodes on the path]).
+  old_logp (i.e. f32/i32 arrays [L]), prompt_len (its first prompt_len tokens are the prompt),
+  pred_pos / pred_target / pred_weight ([nodes on the path]).
   """
   flat = to_flat(trees)
   adv = node_advantages(flat, kind, max_depth, normalize)
@@ -84,7 +85,7 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
                  (pred_leaf_weight if t.nodes[nid].done else 1.0))
         owned_nodes.add(g)
       seqs.append(dict(tokens=ids, mask=mask, adv=np.where(gen, adv[gid], 0.0).astype(np.float32),
-                       old_logp=lps, pred_pos=np.asarray(pos, np.int32),
+                       old_logp=lps, prompt_len=len(t.prompt_ids), pred_pos=np.asarray(pos, np.int32),
                        pred_target=np.asarray(tgt, np.float32),
                        pred_weight=np.asarray(w, np.float32)))
     offset += len(t.nodes)
@@ -130,7 +131,9 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
            mask=z(np.float32), adv=z(np.float32), old_logp=z(np.float32), ref_logp=z(np.float32),
            pred_pos=np.zeros((n_rows, preds_per_row), np.int32),
            pred_target=np.zeros((n_rows, preds_per_row), np.float32),
-           pred_weight=np.zeros((n_rows, preds_per_row), np.float32))
+           pred_weight=np.zeros((n_rows, preds_per_row), np.float32),
+           pred_pstart=np.zeros((n_rows, preds_per_row), np.int32),
+           pred_plen=np.zeros((n_rows, preds_per_row), np.int32))
   for r, members in enumerate(rows):
     at = ap = 0
     for s, i in enumerate(members, start=1):
@@ -148,6 +151,8 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       b["pred_pos"][r, ap:ap + P] = q["pred_pos"][keep] + at
       b["pred_target"][r, ap:ap + P] = q["pred_target"][keep]
       b["pred_weight"][r, ap:ap + P] = q["pred_weight"][keep]
+      b["pred_pstart"][r, ap:ap + P] = at  # the segment's prompt, for prompt-mean features
+      b["pred_plen"][r, ap:ap + P] = min(int(q.get("prompt_len", 0)), L)
       at += L
       ap += P
   info = dict(rows=len(rows), padded_rows=n_rows, sequences=len(seqs), cut_sequences=cut,

@@ -29,6 +29,8 @@ Batch layout (all arrays lead with the batch dimension B; per-token arrays are a
   pred_pos    i32[B, K]   positions of prefix ends (node boundaries) in the sequence
   pred_target f32[B, K]   V(y) of those nodes
   pred_weight f32[B, K]   weights (0 on padding or on nodes owned by another sequence)
+  pred_pstart i32[B, K]   start of each node's prompt in the row (read with prompt_mean_features)
+  pred_plen   i32[B, K]   length of that prompt
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class UpdateConfig:
   param_dtype: Any = None
   # Masters and Adam moments for lower-precision params ("float32"); None keeps the params' dtype.
   master_dtype: Any = "float32"
+  # Predictor features [last state, mean final state over the prompt] (the sampler's
+  # `prompt_mean_features`); False: the last state alone.
+  prompt_mean_features: bool = False
   # Skip a step whose update norm exceeds this multiple of the parameter norm (0 = off).
   max_update_ratio: float = 1.0
 
@@ -180,6 +185,17 @@ def _mesh_of(shardings):
 
 
 # ---- loss and gradients ----------------------------------------------------------------------------
+def span_means(hidden, start, length):
+  """f32[B, K, D]: the mean of `hidden[b, start[b, k] : start[b, k] + length[b, k]]` (0 for an
+  empty span), by differences of one cumulative sum over the sequence (packed rows: a node's
+  prompt is its segment's first tokens)."""
+  cs = jnp.cumsum(hidden.astype(jnp.float32), axis=1)
+  cs = jnp.pad(cs, ((0, 0), (1, 0), (0, 0)))
+  hi = jnp.take_along_axis(cs, (start + length)[..., None], axis=1)
+  lo = jnp.take_along_axis(cs, start[..., None], axis=1)
+  return (hi - lo) / jnp.maximum(length, 1)[..., None].astype(jnp.float32)
+
+
 def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_norm, cfg):
   dtype = _policy_dtype(cfg, nnx.merge(graphdef, params))
   if dtype is not None:  # the forward runs on exactly the weights the sampler runs
@@ -194,6 +210,9 @@ def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_nor
       eps_high=cfg.eps_high, ref_logp=mb["ref_logp"][:, 1:] if cfg.kl_coef > 0 else None,
       kl_coef=cfg.kl_coef, entropy=ent, entropy_coef=cfg.entropy_coef, normalizer=normalizer)
   feats = jnp.take_along_axis(out["hidden"], mb["pred_pos"][..., None], axis=1)
+  if cfg.prompt_mean_features:
+    feats = jnp.concatenate([feats.astype(jnp.float32),
+                             span_means(out["hidden"], mb["pred_pstart"], mb["pred_plen"])], -1)
   head = nnx.merge(pred_graphdef, pred_params)
   plogits = head(feats)
   w = mb["pred_weight"]

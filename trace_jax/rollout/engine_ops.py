@@ -286,10 +286,12 @@ def make_prefill_step(graphdef, layout: PoolLayout | None = None):
 
 
 @functools.lru_cache(maxsize=16)
-def make_feature_step(graphdef, layout: PoolLayout | None = None):
+def make_feature_step(graphdef, layout: PoolLayout | None = None, prompt_mean: bool = False):
   """Jitted plain forward returning the final hidden state at each row's last real token.
 
   step(state, tokens i32[B, T] right padded, lens i32[B]) -> f32[B, D]. One compilation per (B, T).
+  With `prompt_mean` (rows are prompts): f32[B, 2D], that state and the mean of the final states
+  over the row's tokens (the predictor feature "last+prompt_mean" of a prompt).
   With a `layout`, rows split over its data shards (B a multiple of the shards) and the weights
   stay as they are laid out for sampling, so prompt scoring runs on the sampler's mesh.
   """
@@ -297,9 +299,15 @@ def make_feature_step(graphdef, layout: PoolLayout | None = None):
   def step(state, tokens, lens):
     model = nnx.merge(graphdef, state)
     mask = jnp.arange(tokens.shape[1])[None, :] < lens[:, None]
-    hidden = model.forward(tokens, attn_mask=mask)["hidden"]
+    hidden = model.forward(tokens, attn_mask=mask, compute_logits=False)["hidden"]
+    hidden = hidden.astype(jnp.float32)
     last = jnp.maximum(lens - 1, 0)
-    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+    out = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    if prompt_mean:
+      m = mask.astype(jnp.float32)[..., None]
+      mean = (hidden * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+      out = jnp.concatenate([out, mean], axis=-1)
+    return out
 
   if layout is None:
     return jax.jit(step)

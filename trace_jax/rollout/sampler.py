@@ -152,7 +152,8 @@ class SamplerEngine:
         cfg.decode_steps, tuple(stop_seqs), eos_id)
     self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout)
     self._copy = make_copy_pages(self.layout)
-    self._features = engine_ops.make_feature_step(model_graphdef, self.layout)
+    self._features = engine_ops.make_feature_step(model_graphdef, self.layout,
+                                                  cfg.prompt_mean_features)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
     self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
@@ -205,7 +206,8 @@ class SamplerEngine:
   def prompt_features(self, prompts: Sequence[Sequence[int]],
                       count_prefill: bool = True) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
-    each prompt's last token (what the engine records as `tree.root.feature`). Batches of
+    each prompt's last token (what the engine records as `tree.root.feature`; with
+    `prompt_mean_features` f32[N, 2D], that state and the mean final state over the prompt). Batches of
     `prefill_batch` rows (on a mesh: rounded up to whole rows per data shard, the rows split over
     the shards), lengths padded to the page-table buckets (in tokens). The prompt tokens count as
     prefill in the ledger unless `count_prefill` is False (work that is not sampling, e.g.
@@ -223,8 +225,28 @@ class SamplerEngine:
       out.append(np.asarray(self._features(self.state, tokens, lens))[:len(chunk)])
       if count_prefill:  # scoring prompts for allocation is prefill work too
         self.ledger.prefill_tokens += int(lens.sum())
-    d = self.model_cfg.hidden_size
+    d = self.model_cfg.hidden_size * (2 if cfg.prompt_mean_features else 1)
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
+
+  def _node_feature(self, tree: Tree, hidden) -> np.ndarray:
+    """A node's predictor feature from the final state at its last token: that state, and with
+    `prompt_mean_features` the tree's prompt mean after it (computed once per tree)."""
+    h = np.asarray(hidden, np.float32)
+    if not self.cfg.prompt_mean_features:
+      return h
+    mean = tree.__dict__.get("_prompt_mean")
+    if mean is None:  # a tree admitted elsewhere (e.g. gathered from another process)
+      self._set_prompt_means([tree])
+      mean = tree._prompt_mean
+    return np.concatenate([h, mean])
+
+  def _set_prompt_means(self, trees) -> None:
+    """Each tree's mean final state over its prompt (one batched plain forward; prefill work)."""
+    if trees:
+      d = self.model_cfg.hidden_size
+      feats = self.prompt_features([t.prompt_ids for t in trees])
+      for t, f in zip(trees, feats):
+        t._prompt_mean = np.asarray(f[d:], np.float32)
 
   def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
     """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
@@ -344,6 +366,8 @@ class SamplerEngine:
       self._pending[pick].extend([(tree, node_id)] * count)
       if all(t is not tree for t in trees):
         trees.append(tree)
+    if self.cfg.prompt_mean_features:
+      self._set_prompt_means([t for t in trees if t.__dict__.get("_prompt_mean") is None])
     return trees
 
   # ---- main loop ---------------------------------------------------------------------------------
@@ -539,7 +563,7 @@ class SamplerEngine:
     for i in decoding:
       b = self.slots[i]
       if b.feature_for is not None:
-        b.tree.nodes[b.feature_for].feature = np.asarray(out["hidden"][i], np.float32)
+        b.tree.nodes[b.feature_for].feature = self._node_feature(b.tree, out["hidden"][i])
         b.feature_for = None
       if b.final:
         b.kv_len += 1

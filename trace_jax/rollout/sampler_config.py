@@ -43,6 +43,7 @@ class SamplerConfig:
   page_buckets: tuple = ()          # page-table width buckets; (): powers of two
   attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
   leaf_features: bool = True        # one extra step per leaf to record its prefix feature
+  prompt_mean_features: bool = False  # features [last state, mean of the prompt's final states]
   decode_steps: int = 8             # decode steps per device call (the host acts once per call)
   truncation_reward: float = 0.0    # reward of trajectories cut by a limit or the pool
   seed: int = 0
@@ -67,7 +68,8 @@ def sampler_config_from(c, **overrides) -> SamplerConfig:
             max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
             max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
             prefill_chunk=(32, r.prefill_chunk), temperature=r.temperature, top_p=r.top_p,
-            top_k=r.top_k, use_tree_attention=r.tree_attention, seed=c.seed)
+            top_k=r.top_k, use_tree_attention=r.tree_attention, seed=c.seed,
+            prompt_mean_features=c.model.get("predictor_features", "last") == "last+prompt_mean")
   kw.update(overrides)
   return SamplerConfig(**kw)
 
