@@ -94,7 +94,8 @@ def _records(workdir):
 
 
 def _errors(recs):
-  """Failed retriever calls over records: RL steps' and evaluations' (both summed over processes)."""
+  """Failed retriever calls over records: RL steps' and evaluations' (each summed over the
+  processes)."""
   return sum(r.get("retriever_errors", 0) + r.get("eval_retriever_errors", 0) for r in recs)
 
 

@@ -48,7 +48,7 @@ def prefix_signal(trees, world) -> dict:
               n_bad=len(b), share_bad=len(b) / max(len(g) + len(b), 1))
 
 
-# ---- what the predictor head could read (DESIGN item: head features) ------------------------------
+# ---- what the predictor head could read ---------------------------------------------------------
 # The sampler records `final_last`, the final-norm hidden state at a prefix's last token. The other
 # variants are by-products of the same forward pass: the residual stream after the middle layer, and
 # the final states averaged over the whole prefix or over the prompt (the question) alone.

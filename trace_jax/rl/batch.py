@@ -85,7 +85,8 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
                  (pred_leaf_weight if t.nodes[nid].done else 1.0))
         owned_nodes.add(g)
       seqs.append(dict(tokens=ids, mask=mask, adv=np.where(gen, adv[gid], 0.0).astype(np.float32),
-                       old_logp=lps, prompt_len=len(t.prompt_ids), pred_pos=np.asarray(pos, np.int32),
+                       old_logp=lps, prompt_len=len(t.prompt_ids),
+                       pred_pos=np.asarray(pos, np.int32),
                        pred_target=np.asarray(tgt, np.float32),
                        pred_weight=np.asarray(w, np.float32)))
     offset += len(t.nodes)

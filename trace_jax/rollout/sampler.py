@@ -207,11 +207,11 @@ class SamplerEngine:
                       count_prefill: bool = True) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
     each prompt's last token (what the engine records as `tree.root.feature`; with
-    `prompt_mean_features` f32[N, 2D], that state and the mean final state over the prompt). Batches of
-    `prefill_batch` rows (on a mesh: rounded up to whole rows per data shard, the rows split over
-    the shards), lengths padded to the page-table buckets (in tokens). The prompt tokens count as
-    prefill in the ledger unless `count_prefill` is False (work that is not sampling, e.g.
-    re-featurizing the predictor's training prompts)."""
+    `prompt_mean_features` f32[N, 2D], that state and the mean final state over the prompt).
+    Batches of `prefill_batch` rows (on a mesh: rounded up to whole rows per data shard, the
+    rows split over the shards), lengths padded to the page-table buckets (in tokens). The prompt
+    tokens count as prefill in the ledger unless `count_prefill` is False (work that is not
+    sampling, e.g. re-featurizing the predictor's training prompts)."""
     cfg = self.cfg
     rows = self.prefill_rows * self.shards
     out = []
