@@ -18,7 +18,11 @@ run. Sections, in priority order:
 4. sampler: the engine (`bench_sampler.engine_throughput`, tiny model, tree attention on vs off),
    then `bench_sampler.sharing_case` on a random-weight bf16 model (hidden 1024, 8 layers, head_dim
    128): tree vs duplicated prefix, decode tokens/s and KV bytes.
-5. a PNG of kernel time and bandwidth per size, and a printed summary.
+5. update (not in the default --sections; `--sections=update` alone on a device): one RL update
+   step of a Qwen3-1.7B-shaped random bf16 model (f32 masters and Adam moments, per-layer remat,
+   8 x 2048 tokens), its median step time and model-FLOP utilization against a bf16 matmul rate
+   measured in the same run.
+6. a PNG of kernel time and bandwidth per size, and a printed summary.
 
 A wall-clock budget (--budget_s) skips remaining optional cases once spent, and a watchdog dumps
 the stacks and exits if the run hangs past budget + 60 s.
@@ -593,7 +597,96 @@ def section_sampler(out, res, args):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Plot and summary
+# 5. One RL update step of a Qwen3-1.7B-shaped random bf16 model (f32 masters, per-layer remat)
+# ---------------------------------------------------------------------------------------------
+
+def update_flops(mcfg, rows: int, seq: int) -> dict:
+  """Model FLOPs of one training step on [rows, seq] tokens: 6 per matmul weight per token
+  (forward 2, backward 4) plus causal attention (QK^T and AV over seq / 2 keys on average, x3 for
+  the backward). Recomputation under remat is not counted (model FLOPs, not hardware FLOPs)."""
+  from bench_vs_tunix import matmul_params
+
+  tokens = rows * seq
+  dense = 6 * matmul_params(mcfg) * tokens
+  attn = 3 * 2 * 2 * mcfg.num_layers * mcfg.num_heads * mcfg.head_dim * (seq / 2) * tokens
+  return {"tokens": tokens, "dense": float(dense), "attention": float(attn),
+          "total": float(dense + attn)}
+
+
+def dense_matmul_tflops(n: int, reps: int) -> float:
+  """A measured bf16 matmul rate on this device (the MFU reference of this run), TFLOP/s."""
+  a = jnp.ones((n, n), jnp.bfloat16)
+  f = jax.jit(lambda x: x @ x)
+  t = time_pipelined({"mm": lambda: f(a)}, reps, 5e-3)["mm"]["median_s"]
+  return 2 * n ** 3 / t / 1e12
+
+
+def section_update(out, res, args):
+  from flax import nnx
+
+  from trace_jax.models.predictor import PredictorHead
+  from trace_jax.models.qwen3 import Qwen3, get_preset
+  from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
+
+  if args.quick:
+    mcfg = get_preset("tiny", vocab_size=512, num_layers=2, dtype="bfloat16",
+                      param_dtype="bfloat16")
+    rows, seq, reps = 2, 64, 2
+  else:
+    mcfg = get_preset("qwen3_1p7b", dtype="bfloat16", param_dtype="bfloat16")
+    rows, seq, reps = 8, 2048, 5
+  cfg = UpdateConfig(lr=1e-6, param_dtype="bfloat16", remat="full")
+  out.update(model=("tiny" if args.quick else "qwen3_1p7b"), rows=rows, seq=seq,
+             remat=cfg.remat, masters=str(cfg.master_dtype), flops=update_flops(mcfg, rows, seq))
+  res.save()
+  graphdef, params = nnx.split(Qwen3(mcfg, rngs=nnx.Rngs(0)))
+  out["params"] = int(sum(x.size for x in jax.tree.leaves(params)))
+  hg, hp = nnx.split(PredictorHead(mcfg.hidden_size, 128, rngs=nnx.Rngs(1)))
+  state = init_train_state(params, hp, cfg)
+  del params
+  rs = np.random.RandomState(0)
+  k = 16
+  batch = {"tokens": rs.randint(0, mcfg.vocab_size, (rows, seq)).astype(np.int32),
+           "segment_ids": np.ones((rows, seq), np.int32),
+           "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+           "mask": (rs.rand(rows, seq) < 0.5).astype(np.float32),
+           "adv": rs.randn(rows, seq).astype(np.float32),
+           "old_logp": np.full((rows, seq), -5.0, np.float32),
+           "ref_logp": np.zeros((rows, seq), np.float32),
+           "pred_pos": rs.randint(0, seq, (rows, k)).astype(np.int32),
+           "pred_target": rs.rand(rows, k).astype(np.float32),
+           "pred_weight": np.ones((rows, k), np.float32)}
+  batch = jax.device_put(batch)
+  step = jit_update_step(graphdef, hg, cfg)
+  t0 = time.perf_counter()
+  state, m = step(state, batch)
+  _block(m)
+  out["first_call_s"] = round(time.perf_counter() - t0, 2)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    _block(m)
+    times.append(time.perf_counter() - t0)
+  med = statistics.median(times)
+  out["step_s_median"], out["step_s_all"] = med, times
+  out["skipped"] = float(m["skipped"])
+  out["tokens_per_s"] = rows * seq / med
+  out["achieved_tflops"] = out["flops"]["total"] / med / 1e12
+  out["matmul_tflops_measured"] = dense_matmul_tflops(1024 if args.quick else 8192, reps)
+  out["mfu_vs_measured_matmul"] = out["achieved_tflops"] / out["matmul_tflops_measured"]
+  try:
+    out["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  except Exception:  # noqa: BLE001
+    pass
+  log(f"  update {out['model']} [{rows}x{seq}] remat={cfg.remat}: {med * 1e3:.0f} ms/step, "
+      f"{out['achieved_tflops']:.1f} TFLOP/s, MFU {out['mfu_vs_measured_matmul']:.2f} of a "
+      f"measured {out['matmul_tflops_measured']:.0f} TFLOP/s bf16 matmul")
+  res.save()
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Plot and summary
 # ---------------------------------------------------------------------------------------------
 
 def plot(data, path):
@@ -686,6 +779,13 @@ def summary(data) -> list[str]:
     else:
       lines.append(f"engine {r.get('prefix')} x {r.get('branches')}: "
                    f"{r.get('skipped') or r.get('error', '')[:200]}")
+  u = data.get("update", {})
+  if "step_s_median" in u:
+    lines.append(f"update {u['model']} [{u['rows']}x{u['seq']}] remat={u['remat']}: "
+                 f"{u['step_s_median'] * 1e3:.0f} ms/step, {u['achieved_tflops']:.2f} TFLOP/s, "
+                 f"MFU {u['mfu_vs_measured_matmul']:.2f} of a measured bf16 matmul")
+  elif u:
+    lines.append(f"update: {u.get('error', 'not finished')[:200]}")
   lines.append(f"total {data.get('total_wall_s', elapsed()):.0f}s, "
                f"{data.get('total_compiles', COMPILES['n'])} compiles "
                f"({data.get('total_compile_s', COMPILES['s']):.0f}s)")
@@ -711,7 +811,7 @@ def main():
   res.data["command"] = " ".join([os.path.basename(sys.executable)] + sys.argv)
   run_section(res, "env", section_env, args)
   sections = {"correctness": section_correctness, "kernel_speed": section_kernel_speed,
-              "sampler": section_sampler}
+              "sampler": section_sampler, "update": section_update}
   for name in args.sections.split(","):
     if name:
       run_section(res, name, sections[name], args)
