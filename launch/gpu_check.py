@@ -626,6 +626,7 @@ def section_update(out, res, args):
 
   from trace_jax.models.predictor import PredictorHead
   from trace_jax.models.qwen3 import Qwen3, get_preset
+  from trace_jax.rl.batch import random_batch
   from trace_jax.rl.update import UpdateConfig, init_train_state, jit_update_step
 
   if args.quick:
@@ -644,18 +645,7 @@ def section_update(out, res, args):
   hg, hp = nnx.split(PredictorHead(mcfg.hidden_size, 128, rngs=nnx.Rngs(1)))
   state = init_train_state(params, hp, cfg)
   del params
-  rs = np.random.RandomState(0)
-  k = 16
-  batch = {"tokens": rs.randint(0, mcfg.vocab_size, (rows, seq)).astype(np.int32),
-           "segment_ids": np.ones((rows, seq), np.int32),
-           "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-           "mask": (rs.rand(rows, seq) < 0.5).astype(np.float32),
-           "adv": rs.randn(rows, seq).astype(np.float32),
-           "old_logp": np.full((rows, seq), -5.0, np.float32),
-           "ref_logp": np.zeros((rows, seq), np.float32),
-           "pred_pos": rs.randint(0, seq, (rows, k)).astype(np.int32),
-           "pred_target": rs.rand(rows, k).astype(np.float32),
-           "pred_weight": np.ones((rows, k), np.float32)}
+  batch = random_batch(rows, seq, mcfg.vocab_size, mask_rate=0.5, old_logp=-5.0)
   batch = jax.device_put(batch)
   step = jit_update_step(graphdef, hg, cfg)
   t0 = time.perf_counter()

@@ -63,19 +63,9 @@ def update_check(rows=16, t=24, k=3, n_micro=2, compare_plain=False, place=True)
   """One RL update on mesh (2,2,2) vs one device (see the module docstring)."""
   from trace_jax.models.predictor import PredictorHead
   from trace_jax.rl import update as U
+  from trace_jax.rl.batch import random_batch
   assert len(jax.devices()) == 8, jax.devices()
-  rs = np.random.RandomState(0)
-  mask = (rs.rand(rows, t) < 0.6).astype(np.float32)
-  mask[:, 0] = 0
-  batch = {"tokens": rs.randint(0, 96, (rows, t)).astype(np.int32),
-           "segment_ids": np.ones((rows, t), np.int32),
-           "positions": np.tile(np.arange(t, dtype=np.int32), (rows, 1)), "mask": mask,
-           "adv": rs.randn(rows, t).astype(np.float32),
-           "old_logp": np.full((rows, t), -4.5, np.float32),
-           "ref_logp": np.zeros((rows, t), np.float32),
-           "pred_pos": rs.randint(0, t, (rows, k)).astype(np.int32),
-           "pred_target": rs.rand(rows, k).astype(np.float32),
-           "pred_weight": np.ones((rows, k), np.float32)}
+  batch = random_batch(rows, t, 96, preds=k)
   mcfg = get_preset("tiny", vocab_size=96, num_layers=2)
   graphdef, params = nnx.split(Qwen3(mcfg, rngs=nnx.Rngs(0)))
   pred_graphdef, pred_params = nnx.split(PredictorHead(mcfg.hidden_size, 16, rngs=nnx.Rngs(1)))

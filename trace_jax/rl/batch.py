@@ -163,6 +163,25 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
   return b, info
 
 
+def random_batch(rows: int, seq: int, vocab: int, preds: int = 16, seed: int = 0,
+                 mask_rate: float = 0.6, old_logp: float = -4.5) -> dict[str, np.ndarray]:
+  """A random batch in the update's layout (`trace_jax.rl.update`), for benchmarks and tests:
+  one unpacked sequence per row, a `mask_rate` share of tokens trained (never the first),
+  Gaussian advantages, a constant old log-prob and `preds` predictor targets per row."""
+  rs = np.random.RandomState(seed)
+  mask = (rs.rand(rows, seq) < mask_rate).astype(np.float32)
+  mask[:, 0] = 0
+  return {"tokens": rs.randint(0, vocab, (rows, seq)).astype(np.int32),
+          "segment_ids": np.ones((rows, seq), np.int32),
+          "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)), "mask": mask,
+          "adv": rs.randn(rows, seq).astype(np.float32),
+          "old_logp": np.full((rows, seq), old_logp, np.float32),
+          "ref_logp": np.zeros((rows, seq), np.float32),
+          "pred_pos": rs.randint(0, seq, (rows, preds)).astype(np.int32),
+          "pred_target": rs.rand(rows, preds).astype(np.float32),
+          "pred_weight": np.ones((rows, preds), np.float32)}
+
+
 def tree_metrics(trees: Sequence[Tree]) -> dict:
   """Effective ratio (mixed trees), mean reward, leaves and nodes per tree."""
   if not trees:
