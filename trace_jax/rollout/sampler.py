@@ -75,6 +75,9 @@ def sampling_shardings(state, layout: PoolLayout):
   return state_shardings(state, layout.mesh, rules)
 
 
+_PROMPT_MEANS_KEPT = 4096  # prompt means cached between weight updates
+
+
 class SamplerEngine:
   """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages.
 
@@ -156,6 +159,9 @@ class SamplerEngine:
                                                   cfg.prompt_mean_features)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
+    # prompt -> mean final state over it, under the current weights (prompt_mean_features): the
+    # pool scoring computes it for every candidate, so admitting a scored prompt costs nothing.
+    self._prompt_means: dict[tuple, np.ndarray] = {}
     self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
     self.starts: list[tuple[int, int]] = []  # (slot, tree uid) of every branch started
     self.live_trees: dict[int, Tree] = {}
@@ -168,6 +174,7 @@ class SamplerEngine:
   # ---- public API --------------------------------------------------------------------------------
   def update_params(self, params_state) -> None:
     self.state = self._place(params_state)
+    self._prompt_means.clear()  # computed under the old weights
 
   set_params = update_params
 
@@ -223,6 +230,10 @@ class SamplerEngine:
       for r, p in enumerate(chunk):
         tokens[r, :len(p)], lens[r] = p, len(p)
       out.append(np.asarray(self._features(self.state, tokens, lens))[:len(chunk)])
+      if cfg.prompt_mean_features:
+        d = self.model_cfg.hidden_size
+        for p, f in zip(chunk, out[-1]):
+          self._prompt_means[tuple(p)] = f[d:]
       if count_prefill:  # scoring prompts for allocation is prefill work too
         self.ledger.prefill_tokens += int(lens.sum())
     d = self.model_cfg.hidden_size * (2 if cfg.prompt_mean_features else 1)
@@ -241,12 +252,15 @@ class SamplerEngine:
     return np.concatenate([h, mean])
 
   def _set_prompt_means(self, trees) -> None:
-    """Each tree's mean final state over its prompt (one batched plain forward; prefill work)."""
-    if trees:
-      d = self.model_cfg.hidden_size
-      feats = self.prompt_features([t.prompt_ids for t in trees])
-      for t, f in zip(trees, feats):
-        t._prompt_mean = np.asarray(f[d:], np.float32)
+    """Each tree's mean final state over its prompt: from the prompts scored under the current
+    weights, else one batched plain forward over the others (prefill work)."""
+    missing = [t.prompt_ids for t in trees if tuple(t.prompt_ids) not in self._prompt_means]
+    if missing:
+      self.prompt_features(missing)
+    for t in trees:
+      t._prompt_mean = np.asarray(self._prompt_means[tuple(t.prompt_ids)], np.float32)
+    if len(self._prompt_means) > _PROMPT_MEANS_KEPT:  # scored pools of past calls
+      self._prompt_means.clear()
 
   def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
     """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
