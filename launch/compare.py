@@ -48,6 +48,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,34 @@ def finished_summary(runs_dir, archive, run) -> str | None:
   return None
 
 
+PREEMPTED = 75  # launch/train.py's exit status after a SIGTERM/SIGINT and its checkpoint
+
+
+def run_forwarding_signals(cmd, **popen_kwargs) -> int:
+  """Runs `cmd` to its end and returns its exit status. A SIGTERM or SIGINT sent to this process
+  is passed on to the child (a training run then checkpoints its step and exits with `PREEMPTED`),
+  so stopping a campaign never leaves its run training on alone. The child runs in its own
+  session: a Ctrl-C at the terminal reaches it once, through this process, not twice (a second
+  SIGINT stops a training run at once, without its checkpoint)."""
+  child, pending = None, []
+
+  def forward(sig, frame):
+    if child is None:
+      pending.append(sig)  # arrived while the child was starting
+    else:
+      child.send_signal(sig)
+
+  old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    child = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    for sig in pending:
+      child.send_signal(sig)
+    return child.wait()
+  finally:
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
+
+
 def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
   """Trains one run (unless its summary exists in `runs_dir` or in `archive`) and returns its
   summary."""
@@ -181,12 +210,15 @@ def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
          *train_args(config, workdir, row["overrides"], warm_seed, extra)]
   print(f"[compare] {row['run']}: {' '.join(cmd[2:])}", flush=True)
   log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")
-  with open(log, "w") as f:
-    p = subprocess.run(cmd, cwd=_ROOT, stdout=f, stderr=subprocess.STDOUT,
-                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-  if p.returncode != 0 or not os.path.exists(path):
+  with open(log, "a") as f:  # a resumed run's log continues its stopped one
+    rc = run_forwarding_signals(cmd, cwd=_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  if rc == PREEMPTED:
+    raise SystemExit(f"[compare] stopped by a signal: {row['run']} checkpointed its last step; "
+                     f"rerun the same command to resume it (log {log})")
+  if rc != 0 or not os.path.exists(path):
     tail = open(log).read()[-3000:]
-    raise RuntimeError(f"run {row['run']} failed (rc={p.returncode}); log {log}:\n{tail}")
+    raise RuntimeError(f"run {row['run']} failed (rc={rc}); log {log}:\n{tail}")
   return json.load(open(path))
 
 

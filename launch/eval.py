@@ -141,60 +141,12 @@ def _make_retriever(spec: str, world_fn):
 
 def _checkpoint_step(workdir, step):
   """The checkpoint step to restore (the latest unless given), failing early when absent."""
-  from trace_jax.checkpoint import Checkpointer
+  from trace_jax.checkpoint import run_checkpoint_step
 
-  cdir = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(cdir):
-    _fail(f"{cdir} not found: the run saved no checkpoint yet (see ckpt.every)")
-  ckpt = Checkpointer(cdir, max_to_keep=10**6)  # a reader must never delete old steps
-  steps = sorted(ckpt.all_steps())
-  ckpt.close()
-  if not steps:
-    _fail(f"no checkpoint under {cdir}")
-  if step is not None and step not in steps:
-    _fail(f"--step={step} not in {cdir}; saved steps: {steps}")
-  return steps[-1] if step is None else step
-
-
-def restore_target(c, graphdef, params, mesh=None):
-  """The abstract train state a run's checkpoint holds (masters, optimizer states, predictor), each
-  leaf a ShapeDtypeStruct placed as the train loop places it on `mesh` (nothing is allocated)."""
-  import jax
-  import numpy as np
-  from flax import nnx
-  from jax.sharding import NamedSharding
-
-  from trace_jax.models.predictor import PredictorHead
-  from trace_jax.rl.update import UpdateConfig, init_train_state, state_shardings
-
-  head = PredictorHead(nnx.merge(graphdef, params).cfg.hidden_size, c.model.predictor_hidden,
-                       rngs=nnx.Rngs(0))
-  ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
-                      eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
-                      entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
-                      micro_batches=c.rl.micro_batches, param_dtype=c.model.param_dtype)
-  abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1], ucfg))
-  if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
-                             ("data", "fsdp", "tensor"))
-  place = lambda s, sub: jax.tree.map(  # noqa: E731
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub)
-  return jax.tree.map(place, state_shardings(abstract, mesh), abstract,
-                      is_leaf=lambda x: isinstance(x, NamedSharding))
-
-
-def restore_policy(c, workdir, step, graphdef, params, mesh=None):
-  """The policy weights of a run's checkpoint, as the train loop's sampler gets them: the train
-  state's masters cast to `model.param_dtype` (`policy_params`), placed on `mesh` in the train
-  loop's sharding. Returns (params, step)."""
-  from trace_jax.checkpoint import Checkpointer
-  from trace_jax.rl.update import policy_params
-
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=10**6)
-  # The target gives the saved state's structure (optimizer states included); only params are used.
-  state, meta = ckpt.restore(restore_target(c, graphdef, params, mesh), step)
-  ckpt.close()
-  return policy_params(state["params"], c.model.param_dtype), int(meta.get("step", step))
+  try:
+    return run_checkpoint_step(workdir, step)
+  except (FileNotFoundError, ValueError) as e:
+    _fail(str(e))
 
 
 def describe_policy(params, mesh) -> dict:
@@ -311,7 +263,8 @@ def main(argv):
     params = shard_state(params, pmesh)
   ckpt_info = {}
   if _WORKDIR.value:
-    params, step = restore_policy(c, _WORKDIR.value, step, graphdef, params, pmesh)
+    from trace_jax.checkpoint import restore_run_policy
+    params, step = restore_run_policy(c, _WORKDIR.value, step, graphdef, params, pmesh)
     ckpt_info = dict(workdir=os.path.abspath(_WORKDIR.value), step=step)
   else:
     ckpt_info = dict(model_path=os.path.abspath(_MODEL_PATH.value))

@@ -12,6 +12,12 @@ With --feature_variants, the offline fit is repeated on each feature the head co
 (`trace_jax.diagnostics.FEATURE_VARIANTS`: the last token's final state, as today; the middle
 layer's; the final states averaged over the prefix or over the prompt; two concatenations), over
 --splits random prompt splits, reporting held-out root and anchor AUC and Brier skill.
+
+With --workdir, the policy probed is a training run's (its latest checkpoint, or --step) instead of
+the warm start: how far RL moved the trap-hop wording and what follows it.
+
+  python launch/probe_warm_start.py --workdir=runs/compare/default/rollouts/grpo-seed3 \
+      --temperatures=0.8 --offline_fit=false --out=results/policy_probe/grpo-seed3.json
 """
 
 import json
@@ -38,6 +44,10 @@ _VARIANTS = flags.DEFINE_bool(
     "feature_variants", False, "also fit the head offline on each feature variant of "
     "trace_jax.diagnostics.FEATURE_VARIANTS (a teacher-forced forward over every prefix)")
 _SPLITS = flags.DEFINE_integer("splits", 5, "random 70/30 prompt splits per feature variant")
+_WORKDIR = flags.DEFINE_string("workdir", None, "probe this training run's policy (its "
+                               "checkpoint) instead of the warm start")
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step of --workdir (default: the latest)")
+_FIT = flags.DEFINE_bool("offline_fit", True, "fit the predictor head offline on the rollouts")
 
 
 def main(argv):
@@ -46,7 +56,7 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
-  from trace_jax.diagnostics import prefix_signal
+  from trace_jax.diagnostics import failure_breakdown, prefix_signal
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
@@ -64,6 +74,12 @@ def main(argv):
   assets = assets_lib.load_world_assets(c)
   graphdef, params = nnx.split(assets_lib.build_model(c, assets.vocab_size))
   params, ws = assets_lib.warm_start(c, assets, graphdef, params)
+  policy = None
+  if _WORKDIR.value:  # a training run's policy, restored as `launch/eval.py` restores it
+    from trace_jax.checkpoint import restore_run_policy, run_checkpoint_step
+    step = run_checkpoint_step(_WORKDIR.value, _STEP.value)
+    params, step = restore_run_policy(c, _WORKDIR.value, step, graphdef, params)
+    policy = dict(workdir=_WORKDIR.value, step=step)
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                     topk=c.retriever.topk)
   scfg = sampler_config_from(c, num_pages=6 * c.rollout.num_pages)
@@ -74,7 +90,8 @@ def main(argv):
   out = dict(command="python launch/probe_warm_start.py " + " ".join(sys.argv[1:]),
              machine=dict(platform=platform.platform(), cpu_count=os.cpu_count()),
              date=time.strftime("%Y-%m-%d %H:%M:%S"), prompts=len(probe), samples_per_prompt=8,
-             warm_start=dict(path=ws.get("path"), steps=ws.get("steps")), temperatures={})
+             warm_start=dict(path=ws.get("path"), steps=ws.get("steps")), policy=policy,
+             temperatures={})
   ev = evaluate(engine, assets.test[:c.eval.size])  # greedy, as the training run's step-0 eval
   out["greedy"] = dict(em=ev["em"], f1=ev["f1"], n=ev["n"], em_by_hops=ev["em_by_hops"])
   print("greedy", json.dumps(out["greedy"]), flush=True)
@@ -84,7 +101,9 @@ def main(argv):
     tm = tree_metrics(trees)
     res = dict(mixed_share=tm["effective_ratio"], sampled_success=tm["reward_mean"],
                **prefix_signal(trees, assets.world))
-    if temp == c.rollout.temperature:  # offline predictor fit on this temperature's rollouts
+    res["outcomes"] = failure_breakdown(trees, assets.world)
+    res["by_hops"] = _by_hops(trees, assets.world)
+    if _FIT.value and temp == c.rollout.temperature:  # offline predictor fit on this temperature's rollouts
       tx = make_optimizers(UpdateConfig(predictor_lr=c.rl.predictor_lr))[1]
 
       def offline_fit(train, held):
@@ -120,6 +139,22 @@ def main(argv):
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1, default=float)
+
+
+def _by_hops(trees, world) -> dict:
+  """Per hop count: prompts, their mixed share over the 8 samples, sampled success, and the trap
+  signal (`prefix_signal`) of the rollouts that made a trap-hop search."""
+  from trace_jax.diagnostics import failure_breakdown, prefix_signal
+  from trace_jax.rl.batch import tree_metrics
+
+  out = {}
+  for hops in sorted({int(t.meta["hops"]) for t in trees}):
+    sub = [t for t in trees if int(t.meta["hops"]) == hops]
+    tm = tree_metrics(sub)
+    out[str(hops)] = dict(prompts=len(sub), mixed_share=tm["effective_ratio"],
+                          sampled_success=tm["reward_mean"], **prefix_signal(sub, world),
+                          outcomes=failure_breakdown(sub, world))
+  return out
 
 
 # Training-set sizes (prompts) for the learning curve: the run's warm-start probe fits the head on

@@ -169,3 +169,36 @@ def test_plan_is_seed_major():
                       budgets=["rollouts"])
   assert [(r["method"], r["seed"]) for r in rows] == [
       ("trace_tree", 0), ("grpo", 0), ("trace_tree", 1), ("grpo", 1)]
+
+
+_PARENT = """
+import importlib.util, subprocess, sys
+spec = importlib.util.spec_from_file_location("compare", sys.argv[1])
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+print("rc", compare.run_forwarding_signals([sys.executable, "-c", sys.argv[2]]), flush=True)
+"""
+_CHILD = """
+import signal, sys, time
+def stop(sig, frame):
+    print("child got", signal.Signals(sig).name, flush=True)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(60)
+sys.exit(0)
+"""
+
+
+def test_a_stopped_campaign_stops_its_run():
+  """SIGTERM to compare.py reaches the training run it started (which checkpoints and exits 75)
+  instead of leaving it training alone; compare.py then returns the run's exit status."""
+  p = subprocess.Popen([sys.executable, "-c", _PARENT, os.path.join(ROOT, "launch", "compare.py"),
+                        _CHILD], stdout=subprocess.PIPE, text=True)
+  assert p.stdout.readline().strip() == "ready"
+  t0 = time.time()
+  p.send_signal(subprocess.signal.SIGTERM)
+  out, _ = p.communicate(timeout=30)
+  assert time.time() - t0 < 20  # the child did not sleep its 60 s out
+  assert out.split() == ["child", "got", "SIGTERM", "rc", "75"], out
+  assert p.returncode == 0

@@ -112,3 +112,32 @@ def test_sampler_and_update_compute_the_same_prompt_mean_features():
   assert used.sum() > 12
   for f in feats[used]:  # each trained prediction reads some node's recorded feature
     assert np.abs(nodes - f).max(axis=1).min() < 1e-3
+
+
+def test_a_run_checkpoint_restores_with_the_head_width_it_was_trained_with():
+  """`launch/eval.py` and the probe rebuild the train state a checkpoint holds
+  (`checkpoint.restore_target`); with the prompt mean the head reads 2 x hidden features, so the
+  target must be that wide (it was hidden-wide, and a prompt-mean run's checkpoint failed to
+  restore)."""
+  import os
+  import sys
+
+  import jax
+  import pytest
+
+  from trace_jax.checkpoint import restore_target
+  from trace_jax.models.predictor import feature_width
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+  import mhqa
+  gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
+  d = nnx.merge(gd, st).cfg.hidden_size
+  for features, width in (("last", d), ("last+prompt_mean", 2 * d)):
+    c = mhqa.get_config()
+    c.model.predictor_features = features
+    target = restore_target(c, gd, st)
+    shapes = {a.shape for a in jax.tree.leaves(target["pred_params"])}
+    assert (width, c.model.predictor_hidden) in shapes and (width,) in shapes, (features, shapes)
+    assert feature_width(d, features) == width
+  with pytest.raises(ValueError, match="predictor_features"):
+    feature_width(d, "mean")

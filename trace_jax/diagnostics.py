@@ -48,6 +48,48 @@ def prefix_signal(trees, world) -> dict:
               n_bad=len(b), share_bad=len(b) / max(len(g) + len(b), 1))
 
 
+# ---- why rollouts fail ----------------------------------------------------------------------------
+FAILURE_KINDS = ("no_answer", "misled", "missed_passage", "wrong_answer")
+
+
+def _shown(obs: str, title: str) -> bool:
+  return f"Title : {title} )" in obs or f"Title: {title})" in obs
+
+
+def classify_failure(tree, leaf_id, world) -> str | None:
+  """Why a rollout of a synthetic-world question failed; None when it succeeded.
+
+  In the order checked: `no_answer` (the trajectory ended without an answer, e.g. out of turns),
+  `misled` (the question's first trap hop surfaced a misleading passage before the needed one),
+  `missed_passage` (some hop's needed passage never showed in an observation: a search with the
+  wrong query or the wrong entity name), `wrong_answer` (every needed passage showed, and the
+  answer was still wrong: a reading or copying mistake).
+  """
+  leaf = tree.nodes[leaf_id]
+  if float(leaf.reward or 0.0) > 0.5:
+    return None
+  path = [tree.nodes[i] for i in tree.path(leaf_id)[1:]]
+  if "<answer>" not in leaf.text:
+    return "no_answer"
+  if classify_rollout(tree, leaf_id, world) == "bad":
+    return "misled"
+  obs = " ".join(n.obs_text or "" for n in path)
+  needed = tree.meta.get("meta", {}).get("needed_doc_ids", [])
+  if any(not _shown(obs, d) for d in needed):
+    return "missed_passage"
+  return "wrong_answer"
+
+
+def failure_breakdown(trees, world) -> dict:
+  """Shares of all rollouts (leaves) by outcome: `success` and each of `FAILURE_KINDS`."""
+  counts = dict.fromkeys(("success", *FAILURE_KINDS), 0)
+  for t in trees:
+    for leaf in t.leaves():
+      counts[classify_failure(t, leaf.id, world) or "success"] += 1
+  n = max(sum(counts.values()), 1)
+  return {k: v / n for k, v in counts.items()} | {"rollouts": sum(counts.values())}
+
+
 # ---- what the predictor head could read ---------------------------------------------------------
 # The sampler records `final_last`, the final-norm hidden state at a prefix's last token. The other
 # variants are by-products of the same forward pass: the residual stream after the middle layer, and

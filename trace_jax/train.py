@@ -41,7 +41,7 @@ from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
 from trace_jax.diagnostics import prefix_signal
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
-from trace_jax.models.predictor import PredictorHead
+from trace_jax.models.predictor import PredictorHead, feature_width
 from trace_jax.parallel import (allgather_object, check_agree, fetch, initialize, local_mesh,
                                 make_mesh, shard_batch, shard_state)
 from trace_jax.parallel.distributed import (broadcast_arrays, broadcast_object, put_global_tree,
@@ -212,8 +212,8 @@ def build(c, validate_fn=None) -> Run:
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
   prompt_mean = c.model.predictor_features == "last+prompt_mean"  # head reads [last, prompt mean]
-  head = PredictorHead(model.cfg.hidden_size * (2 if prompt_mean else 1), c.model.predictor_hidden,
-                       rngs=nnx.Rngs(c.seed + 1))
+  head = PredictorHead(feature_width(model.cfg.hidden_size, c.model.predictor_features),
+                       c.model.predictor_hidden, rngs=nnx.Rngs(c.seed + 1))
   pred_graphdef, pred_params = nnx.split(head)
   print(f"[trace_jax] workdir {workdir}; model {sum(x.size for x in jax.tree.leaves(params)):,} "
         f"params; {len(assets.train)} train / {len(assets.test)} test prompts", flush=True)

@@ -44,6 +44,18 @@ class PredictorHead(nnx.Module):
     return jax.nn.sigmoid(self(features))
 
 
+PREDICTOR_FEATURES = ("last", "last+prompt_mean")
+
+
+def feature_width(hidden_size: int, predictor_features: str = "last") -> int:
+  """The head's input width for `model.predictor_features`: the final state at the prefix's last
+  token (`last`), or that and the mean final state over the prompt, concatenated."""
+  if predictor_features not in PREDICTOR_FEATURES:
+    raise ValueError(f"model.predictor_features={predictor_features!r} must be one of "
+                     f"{PREDICTOR_FEATURES}")
+  return hidden_size * (2 if predictor_features == "last+prompt_mean" else 1)
+
+
 def predict_probs(graphdef, state, features) -> jax.Array:
   """Pure function for jit: p̂ f32[N] from features [N, D]."""
   return nnx.merge(graphdef, state).prob(features)

@@ -1,0 +1,55 @@
+"""Why a synthetic-world rollout failed (`diagnostics.classify_failure`), on hand-made trees."""
+
+import types
+
+import pytest
+
+from trace_jax.diagnostics import FAILURE_KINDS, classify_failure, failure_breakdown
+from trace_jax.rollout.tree import Tree
+
+# A 2-hop question: Zantro --founded_by--> Kelmor --born_in--> Ostra. founded_by is a trap whose
+# fact sits in the object's passage (Kelmor's); Brisk and Velm carry the misleading sentence.
+WORLD = types.SimpleNamespace(traps={"founded_by|Zantro": ["Brisk", "Velm"]},
+                              needed_doc_id=lambda rel, subj: "Kelmor")
+META = {"meta": {"relations": ["founded_by", "born_in"], "chain": ["Zantro", "Kelmor", "Ostra"],
+                 "needed_doc_ids": ["Kelmor", "Kelmor2"]}}
+
+
+def obs(*titles):
+  return "<information> " + " ".join(f"(Title : {t} ) text ." for t in titles) + " </information>"
+
+
+def tree_with(leaves):
+  """One tree whose root has a child per leaf spec (list of observation texts, answer, reward)."""
+  t = Tree([1, 2, 3], uid=0, meta=META)
+  for observations, answer, reward in leaves:
+    parent = 0
+    for o in observations:
+      parent = t.add_node(parent, text="<search> q </search>", obs_text=o).id
+    t.add_node(parent, text=f"<answer> {answer} </answer>" if answer else "<search> q",
+               done=True, reward=reward)
+  return t
+
+
+@pytest.mark.parametrize("observations,answer,reward,kind", [
+    ([obs("Kelmor"), obs("Kelmor2")], "Ostra", 1.0, None),
+    ([obs("Kelmor"), obs("Kelmor2")], None, 0.0, "no_answer"),
+    ([obs("Brisk"), obs("Kelmor", "Kelmor2")], "Nowhere", 0.0, "misled"),  # misleading first
+    ([obs("Brisk", "Kelmor"), obs("Kelmor2")], "Nowhere", 0.0, "wrong_answer"),  # both at once
+    ([obs("Kelmor"), obs("Other")], "Nowhere", 0.0, "missed_passage"),
+    ([obs("Kelmor"), obs("Kelmor2")], "Nowhere", 0.0, "wrong_answer"),
+])
+def test_classify_failure(observations, answer, reward, kind):
+  t = tree_with([(observations, answer, reward)])
+  assert classify_failure(t, t.leaves()[0].id, WORLD) == kind
+
+
+def test_failure_breakdown_counts_every_leaf_once():
+  t = tree_with([([obs("Kelmor"), obs("Kelmor2")], "Ostra", 1.0),
+                 ([obs("Brisk")], "X", 0.0), ([obs("Kelmor")], "X", 0.0),
+                 ([obs("Kelmor"), obs("Kelmor2")], "X", 0.0)])
+  out = failure_breakdown([t], WORLD)
+  assert out["rollouts"] == 4
+  assert out["success"] == out["misled"] == out["missed_passage"] == out["wrong_answer"] == 0.25
+  assert out["no_answer"] == 0.0
+  assert sum(out[k] for k in ("success", *FAILURE_KINDS)) == pytest.approx(1.0)
