@@ -72,16 +72,12 @@ def _fail(msg: str):
 
 def _run_config(workdir: str):
   """The ConfigDict a run was trained with (its config.json)."""
-  import ml_collections
+  from trace_jax.checkpoint import run_config
 
-  if not os.path.isdir(workdir):
-    _fail(f"--workdir={workdir!r} does not exist")
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    _fail(f"{path} not found: --workdir must be a training run directory (launch/train.py "
-          f"writes config.json there)")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  try:
+    return run_config(workdir)
+  except FileNotFoundError as e:
+    _fail(str(e))
 
 
 def _hf_config(model_path: str):

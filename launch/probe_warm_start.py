@@ -45,7 +45,8 @@ _VARIANTS = flags.DEFINE_bool(
     "trace_jax.diagnostics.FEATURE_VARIANTS (a teacher-forced forward over every prefix)")
 _SPLITS = flags.DEFINE_integer("splits", 5, "random 70/30 prompt splits per feature variant")
 _WORKDIR = flags.DEFINE_string("workdir", None, "probe this training run's policy (its "
-                               "checkpoint) instead of the warm start")
+                               "checkpoint, with its config.json instead of --config) instead of "
+                               "the warm start")
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step of --workdir (default: the latest)")
 _FIT = flags.DEFINE_bool("offline_fit", True, "fit the predictor head offline on the rollouts")
 
@@ -71,6 +72,9 @@ def main(argv):
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)
   c = _CONFIG.value
+  if _WORKDIR.value:  # the run's own config (world, model, sampling), as it trained
+    from trace_jax.checkpoint import run_config
+    c = run_config(_WORKDIR.value)
   assets = assets_lib.load_world_assets(c)
   graphdef, params = nnx.split(assets_lib.build_model(c, assets.vocab_size))
   params, ws = assets_lib.warm_start(c, assets, graphdef, params)
@@ -94,6 +98,12 @@ def main(argv):
              temperatures={})
   ev = evaluate(engine, assets.test[:c.eval.size])  # greedy, as the training run's step-0 eval
   out["greedy"] = dict(em=ev["em"], f1=ev["f1"], n=ev["n"], em_by_hops=ev["em_by_hops"])
+  with sampling_mode(engine, greedy=True):  # the same greedy rollouts, as trees: why they fail
+    trees = engine.run([PromptRequest(e["prompt_ids"], 1, meta=e)
+                        for e in assets.test[:c.eval.size]])
+  out["greedy"]["outcomes"] = failure_breakdown(trees, assets.world)
+  out["greedy"]["by_hops"] = _by_hops(trees, assets.world)
+  engine.release(trees)
   print("greedy", json.dumps(out["greedy"]), flush=True)
   for temp in map(float, _TEMPS.value.split(",")):
     with sampling_mode(engine, temperature=temp):
@@ -151,9 +161,10 @@ def _by_hops(trees, world) -> dict:
   for hops in sorted({int(t.meta["hops"]) for t in trees}):
     sub = [t for t in trees if int(t.meta["hops"]) == hops]
     tm = tree_metrics(sub)
-    out[str(hops)] = dict(prompts=len(sub), mixed_share=tm["effective_ratio"],
-                          sampled_success=tm["reward_mean"], **prefix_signal(sub, world),
-                          outcomes=failure_breakdown(sub, world))
+    out[str(hops)] = dict(prompts=len(sub), sampled_success=tm["reward_mean"],
+                          **prefix_signal(sub, world), outcomes=failure_breakdown(sub, world))
+    if any(len(t.leaves()) > 1 for t in sub):  # groups, not single (greedy) rollouts
+      out[str(hops)]["mixed_share"] = tm["effective_ratio"]
   return out
 
 

@@ -127,3 +127,25 @@ def test_eval_clear_errors(run, args, message):
   """Bad arguments fail before any model is built."""
   p = launch("eval.py", *[a.format(w=run["workdir"]) for a in args], timeout=120)
   assert p.returncode != 0 and message in p.stdout, p.stdout[-2000:]
+
+
+def test_probe_a_trained_run(run, tmp_path):
+  """`launch/probe_warm_start.py --workdir`: the run's policy (its config and latest checkpoint),
+  greedy on the test split as its trees (whose EM is the evaluation's) and sampled in groups on
+  train prompts, with the outcome breakdown of every rollout."""
+  out = tmp_path / "probe.json"
+  p = launch("probe_warm_start.py", f"--workdir={run['workdir']}", "--prompts=3",
+             "--temperatures=1.0", "--offline_fit=false", f"--out={out}")
+  assert p.returncode == 0, p.stdout[-3000:]
+  res = json.loads(out.read_text())
+  assert res["policy"] == {"workdir": run["workdir"], "step": 3}
+  g = res["greedy"]
+  assert g["n"] == 4 and g["outcomes"]["rollouts"] == 4
+  assert g["outcomes"]["success"] == pytest.approx(g["em"])  # the same greedy rollouts
+  s = res["temperatures"]["1.0"]
+  assert s["outcomes"]["rollouts"] == 3 * 8
+  assert s["outcomes"]["success"] == pytest.approx(s["sampled_success"])
+  for o in (g["outcomes"], s["outcomes"]):
+    assert sum(o[k] for k in ("success", "no_answer", "misled", "missed_passage",
+                              "wrong_answer")) == pytest.approx(1.0)
+  assert "offline_predictor" not in s

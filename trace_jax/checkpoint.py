@@ -106,6 +106,22 @@ def decode_host(x):
 
 
 # ---- a training run's checkpoint, read back by the launchers (eval, probes) ----------------------
+def run_config(workdir: str):
+  """The ConfigDict a training run was trained with (its workdir's config.json)."""
+  import json
+
+  import ml_collections
+
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"--workdir={workdir!r} does not exist")
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: --workdir must be a training run directory "
+                            f"(launch/train.py writes config.json there)")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def run_checkpoint_step(workdir: str, step: int | None = None) -> int:
   """The checkpoint step of a training run's `workdir` to restore: the latest unless `step` is
   given. Raises FileNotFoundError when the run saved none, ValueError for a step it did not save."""
