@@ -57,7 +57,7 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
-  from trace_jax.diagnostics import failure_breakdown, prefix_signal
+  from trace_jax.diagnostics import classify_failure, failure_breakdown, prefix_signal
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
@@ -103,6 +103,9 @@ def main(argv):
                         for e in assets.test[:c.eval.size]])
   out["greedy"]["outcomes"] = failure_breakdown(trees, assets.world)
   out["greedy"]["by_hops"] = _by_hops(trees, assets.world)
+  out["greedy"]["per_question"] = {  # to follow each question from one policy to another
+      t.meta["id"]: classify_failure(t, t.leaves()[0].id, assets.world) or "success"
+      for t in trees}
   engine.release(trees)
   print("greedy", json.dumps(out["greedy"]), flush=True)
   for temp in map(float, _TEMPS.value.split(",")):

@@ -142,6 +142,8 @@ def test_probe_a_trained_run(run, tmp_path):
   g = res["greedy"]
   assert g["n"] == 4 and g["outcomes"]["rollouts"] == 4
   assert g["outcomes"]["success"] == pytest.approx(g["em"])  # the same greedy rollouts
+  assert len(g["per_question"]) == 4
+  assert sum(k == "success" for k in g["per_question"].values()) == round(4 * g["em"])
   s = res["temperatures"]["1.0"]
   assert s["outcomes"]["rollouts"] == 3 * 8
   assert s["outcomes"]["success"] == pytest.approx(s["sampled_success"])
