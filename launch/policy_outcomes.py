@@ -101,7 +101,8 @@ def plot(probes, path):
 
   names = list(probes)
   fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(names) + 2.2), sharey=True)
-  colors = dict(zip(KINDS, ("tab:green", "tab:gray", "tab:red", "tab:orange", "tab:purple")))
+  colors = dict(zip(KINDS, ("tab:green", "tab:gray", "tab:red", "tab:orange", "tab:olive",
+                            "tab:purple"), strict=True))
   for ax, title, get in ((axes[0], "greedy, test split", lambda d: d["greedy"]["outcomes"]),
                          (axes[1], "sampled, train prompts",
                           lambda d: (sampled(d) or {}).get("outcomes"))):

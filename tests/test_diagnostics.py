@@ -15,8 +15,10 @@ META = {"meta": {"relations": ["founded_by", "born_in"], "chain": ["Zantro", "Ke
                  "needed_doc_ids": ["Kelmor", "Kelmor2"]}}
 
 
-def obs(*titles):
-  return "<information> " + " ".join(f"(Title : {t} ) text ." for t in titles) + " </information>"
+def obs(*titles, query="founder of Zantro"):
+  """An observation showing these passages, after a search with `query`."""
+  return ("<information> " + " ".join(f"(Title : {t} ) text ." for t in titles)
+          + " </information>", query)
 
 
 def tree_with(leaves):
@@ -24,8 +26,8 @@ def tree_with(leaves):
   t = Tree([1, 2, 3], uid=0, meta=META)
   for observations, answer, reward in leaves:
     parent = 0
-    for o in observations:
-      parent = t.add_node(parent, text="<search> q </search>", obs_text=o).id
+    for o, q in observations:
+      parent = t.add_node(parent, text=f"<think> x </think> <search> {q} </search>", obs_text=o).id
     t.add_node(parent, text=f"<answer> {answer} </answer>" if answer else "<search> q",
                done=True, reward=reward)
   return t
@@ -36,7 +38,12 @@ def tree_with(leaves):
     ([obs("Kelmor"), obs("Kelmor2")], None, 0.0, "no_answer"),
     ([obs("Brisk"), obs("Kelmor", "Kelmor2")], "Nowhere", 0.0, "misled"),  # misleading first
     ([obs("Brisk", "Kelmor"), obs("Kelmor2")], "Nowhere", 0.0, "wrong_answer"),  # both at once
-    ([obs("Kelmor"), obs("Other")], "Nowhere", 0.0, "missed_passage"),
+    # hop 2's passage never showed: its subject (Kelmor) named in no query, or named in vain
+    ([obs("Kelmor"), obs("Other", query="birthplace of Kelmoro")], "X", 0.0, "wrong_entity"),
+    ([obs("Kelmor")], "X", 0.0, "wrong_entity"),  # answered after one hop of two
+    ([obs("Kelmor"), obs("Other", query="birthplace of Kelmor")], "X", 0.0, "search_missed"),
+    ([obs("Other", query="founder of Zantro")], "X", 0.0, "search_missed"),  # hop 1 named
+    ([obs("Other", query="founder of Zontra")], "X", 0.0, "wrong_entity"),
     ([obs("Kelmor"), obs("Kelmor2")], "Nowhere", 0.0, "wrong_answer"),
 ])
 def test_classify_failure(observations, answer, reward, kind):
@@ -50,6 +57,6 @@ def test_failure_breakdown_counts_every_leaf_once():
                  ([obs("Kelmor"), obs("Kelmor2")], "X", 0.0)])
   out = failure_breakdown([t], WORLD)
   assert out["rollouts"] == 4
-  assert out["success"] == out["misled"] == out["missed_passage"] == out["wrong_answer"] == 0.25
-  assert out["no_answer"] == 0.0
+  assert out["success"] == out["misled"] == out["wrong_entity"] == out["wrong_answer"] == 0.25
+  assert out["no_answer"] == out["search_missed"] == 0.0
   assert sum(out[k] for k in ("success", *FAILURE_KINDS)) == pytest.approx(1.0)

@@ -148,6 +148,6 @@ def test_probe_a_trained_run(run, tmp_path):
   assert s["outcomes"]["rollouts"] == 3 * 8
   assert s["outcomes"]["success"] == pytest.approx(s["sampled_success"])
   for o in (g["outcomes"], s["outcomes"]):
-    assert sum(o[k] for k in ("success", "no_answer", "misled", "missed_passage",
+    assert sum(o[k] for k in ("success", "no_answer", "misled", "wrong_entity", "search_missed",
                               "wrong_answer")) == pytest.approx(1.0)
   assert "offline_predictor" not in s

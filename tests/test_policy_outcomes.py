@@ -22,19 +22,19 @@ def _probe(per_question, policy=None):
 
 
 def test_tables_transitions_and_plot(tmp_path):
-  warm = {"a": "misled", "b": "missed_passage", "c": "success", "d": "misled"}
-  trained = {"a": "success", "b": "missed_passage", "c": "success", "d": "wrong_answer"}
+  warm = {"a": "misled", "b": "wrong_entity", "c": "success", "d": "misled"}
+  trained = {"a": "success", "b": "wrong_entity", "c": "success", "d": "search_missed"}
   (tmp_path / "run.json").write_text(json.dumps(_probe(trained, {"workdir": "w", "step": 30})))
   (tmp_path / "warm_start.json").write_text(json.dumps(_probe(warm)))
   (tmp_path / "other.json").write_text("{}")  # not a probe with outcomes: skipped
   probes = po.load(str(tmp_path))
   assert list(probes) == ["warm_start", "run"]  # the warm start first
   tr = po.transitions(warm, trained)
-  assert tr["misled"] == {"success": 1, "wrong_answer": 1}
-  assert tr["missed_passage"] == {"missed_passage": 1} and tr["success"] == {"success": 1}
+  assert tr["misled"] == {"success": 1, "search_missed": 1}
+  assert tr["wrong_entity"] == {"wrong_entity": 1} and tr["success"] == {"success": 1}
   md = po.markdown(probes)
-  assert "| warm_start | 0.250 | 0.000 | 0.500 | 0.250 | 0.000 |" in md
-  assert "| misled | 1 | 0 | 0 | 0 | 1 | 2 |" in md  # success, no_answer, misled, missed, wrong
+  assert "| warm_start | 0.250 | 0.000 | 0.500 | 0.250 | 0.000 | 0.000 |" in md
+  assert "| misled | 1 | 0 | 0 | 0 | 1 | 0 | 2 |" in md  # to success and to search_missed
   po.plot(probes, str(tmp_path / "outcomes.png"))
   assert (tmp_path / "outcomes.png").stat().st_size > 1000
 

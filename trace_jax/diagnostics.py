@@ -49,7 +49,7 @@ def prefix_signal(trees, world) -> dict:
 
 
 # ---- why rollouts fail ----------------------------------------------------------------------------
-FAILURE_KINDS = ("no_answer", "misled", "missed_passage", "wrong_answer")
+FAILURE_KINDS = ("no_answer", "misled", "wrong_entity", "search_missed", "wrong_answer")
 
 
 def _shown(obs: str, title: str) -> bool:
@@ -60,9 +60,11 @@ def classify_failure(tree, leaf_id, world) -> str | None:
   """Why a rollout of a synthetic-world question failed; None when it succeeded.
 
   In the order checked: `no_answer` (the trajectory ended without an answer, e.g. out of turns),
-  `misled` (the question's first trap hop surfaced a misleading passage before the needed one),
-  `missed_passage` (some hop's needed passage never showed in an observation: a search with the
-  wrong query or the wrong entity name), `wrong_answer` (every needed passage showed, and the
+  `misled` (the question's first trap hop surfaced a misleading passage before the needed one);
+  then the first hop whose needed passage never showed in an observation: `wrong_entity` when no
+  search named that hop's subject (the question's entity, or the one the previous hop found: a
+  copying mistake, a skipped hop or an early answer), `search_missed` when a search named it and
+  still missed the passage (the wording); else `wrong_answer` (every needed passage showed and the
   answer was still wrong: a reading or copying mistake).
   """
   leaf = tree.nodes[leaf_id]
@@ -74,10 +76,22 @@ def classify_failure(tree, leaf_id, world) -> str | None:
   if classify_rollout(tree, leaf_id, world) == "bad":
     return "misled"
   obs = " ".join(n.obs_text or "" for n in path)
-  needed = tree.meta.get("meta", {}).get("needed_doc_ids", [])
-  if any(not _shown(obs, d) for d in needed):
-    return "missed_passage"
+  meta = tree.meta.get("meta", {})
+  for hop, needed in enumerate(meta.get("needed_doc_ids", [])):
+    if not _shown(obs, needed):
+      subject = meta["chain"][hop]
+      searched = any(f" {subject} " in f" {_query(n.text)} " for n in path)
+      return "search_missed" if searched else "wrong_entity"
   return "wrong_answer"
+
+
+def _query(text: str) -> str:
+  """The query of a turn's search action ('' when the turn did not search)."""
+  start = text.find("<search>")
+  if start < 0:
+    return ""
+  end = text.find("</search>", start)
+  return text[start + len("<search>"):end if end >= 0 else len(text)]
 
 
 def failure_breakdown(trees, world) -> dict:
