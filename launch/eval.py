@@ -188,7 +188,7 @@ def summarize(res: dict, examples: list) -> dict:
               macro=dict(em=mean([v["em"] for v in per_source.values()]),
                          f1=mean([v["f1"] for v in per_source.values()])),
               em_by_hops={str(h): v for h, v in res["em_by_hops"].items()},
-              mean_turns=res["mean_turns"], generated_tokens=int(res["generated_tokens"]))
+              em_by_seen=res["em_by_seen"], mean_turns=res["mean_turns"], generated_tokens=int(res["generated_tokens"]))
 
 
 def main(argv):

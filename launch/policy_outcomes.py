@@ -66,6 +66,18 @@ def markdown(probes) -> str:
     o = probes[n]["greedy"]["outcomes"]
     lines.append(f"| {n} | {o['success']:.3f} | " + " | ".join(f"{o[k]:.3f}" for k in KINDS[1:])
                  + " |")
+  if all("by_seen" in probes[n]["greedy"] for n in names):
+    lines += ["", "Greedy EM on the test questions whose entity appears in a train question "
+              "(seen) or in none (unseen), and the unseen ones' wrong_entity share:", "",
+              "| policy | EM seen | EM unseen | wrong_entity, unseen | questions seen / unseen |",
+              "|---|---|---|---|---|"]
+    for n in names:
+      b = probes[n]["greedy"]["by_seen"]
+      get = lambda k, f: b[k]["outcomes"][f] if k in b else float("nan")  # noqa: E731
+      lines.append(f"| {n} | {get('seen', 'success'):.3f} | {get('unseen', 'success'):.3f} | "
+                   f"{get('unseen', 'wrong_entity'):.3f} | "
+                   f"{b.get('seen', {}).get('questions', 0)} / "
+                   f"{b.get('unseen', {}).get('questions', 0)} |")
   lines += ["", "Sampled rollouts on train prompts (share of rollouts; mixed share of the groups "
             "of 8; share of trap-hop searches that surfaced the misleading passage):", "",
             "| policy | success | " + " | ".join(KINDS[1:]) + " | mixed | trap misled |",

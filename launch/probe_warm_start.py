@@ -103,6 +103,10 @@ def main(argv):
                         for e in assets.test[:c.eval.size]])
   out["greedy"]["outcomes"] = failure_breakdown(trees, assets.world)
   out["greedy"]["by_hops"] = _by_hops(trees, assets.world)
+  out["greedy"]["by_seen"] = {  # the question's entity appears in a train question, or not
+      k: dict(questions=len(sub), outcomes=failure_breakdown(sub, assets.world))
+      for k, sub in (("seen", [t for t in trees if t.meta.get("entity_seen")]),
+                     ("unseen", [t for t in trees if not t.meta.get("entity_seen")])) if sub}
   out["greedy"]["per_question"] = {  # to follow each question from one policy to another
       t.meta["id"]: classify_failure(t, t.leaves()[0].id, assets.world) or "success"
       for t in trees}

@@ -54,3 +54,15 @@ def test_train_hops_filters_training_questions_only():
       assets.parse_hops(bad)
   # The warm start does not depend on the training mix.
   assert warm_start_key(_cfg(data__train_hops="3,4")) == warm_start_key(_cfg())
+
+
+def test_test_questions_say_whether_their_entity_was_seen_in_training(tmp_path):
+  """Each world test question carries `entity_seen`: its start entity is in some train question's
+  chain (the names the expert traces write). Held-out EM is reported for both halves."""
+  c = mhqa.get_config("smoke")
+  c.world.cache_dir = str(tmp_path)
+  a = assets.load_world_assets(c)
+  seen = {x for e in a.world.train for x in e.meta["chain"]}
+  assert all(e["entity_seen"] == (e["meta"]["chain"][0] in seen) for e in a.test)
+  assert 0 < sum(e["entity_seen"] for e in a.test) < len(a.test)  # both halves exist
+  assert all("entity_seen" not in e for e in a.train)

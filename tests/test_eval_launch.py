@@ -50,6 +50,8 @@ def test_eval_run_on_world_test_split(run, tmp_path):
   assert res["checkpoint"]["step"] == 3  # the latest
   assert res["retriever"] == "world" and res["data"][0]["format"] == "synthetic_world_test"
   assert res["em_by_hops"] and all(0 <= v <= 1 for v in res["em_by_hops"].values())
+  # the world's test questions split by whether their entity appears in a train question
+  assert set(res["em_by_seen"]) <= {"seen", "unseen"} and res["em_by_seen"]
 
 
 def test_eval_run_on_flashrag_files(run, tmp_path):
@@ -143,6 +145,7 @@ def test_probe_a_trained_run(run, tmp_path):
   assert g["n"] == 4 and g["outcomes"]["rollouts"] == 4
   assert g["outcomes"]["success"] == pytest.approx(g["em"])  # the same greedy rollouts
   assert len(g["per_question"]) == 4
+  assert sum(b["questions"] for b in g["by_seen"].values()) == 4
   assert sum(k == "success" for k in g["per_question"].values()) == round(4 * g["em"])
   s = res["temperatures"]["1.0"]
   assert s["outcomes"]["rollouts"] == 3 * 8

@@ -16,8 +16,11 @@ _spec.loader.exec_module(po)
 def _probe(per_question, policy=None):
   n = len(per_question)
   share = {k: sum(v == k for v in per_question.values()) / n for k in po.KINDS}
+  seen = {"questions": 3, "outcomes": dict(share, success=0.5, wrong_entity=0.25)}
+  unseen = {"questions": 1, "outcomes": dict(share, success=0.0, wrong_entity=1.0)}
   return {"policy": policy, "greedy": {"em": share["success"], "outcomes": share,
-                                       "per_question": per_question},
+                                       "per_question": per_question,
+                                       "by_seen": {"seen": seen, "unseen": unseen}},
           "temperatures": {"0.8": {"outcomes": share, "mixed_share": 0.5, "share_bad": 0.25}}}
 
 
@@ -35,6 +38,7 @@ def test_tables_transitions_and_plot(tmp_path):
   md = po.markdown(probes)
   assert "| warm_start | 0.250 | 0.000 | 0.500 | 0.250 | 0.000 | 0.000 |" in md
   assert "| misled | 1 | 0 | 0 | 0 | 1 | 0 | 2 |" in md  # to success and to search_missed
+  assert "| run | 0.500 | 0.000 | 1.000 | 3 / 1 |" in md
   po.plot(probes, str(tmp_path / "outcomes.png"))
   assert (tmp_path / "outcomes.png").stat().st_size > 1000
 

@@ -270,9 +270,15 @@ def load_world_assets(c) -> Assets:
   bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
   mk = lambda ex: _example(encode, bos, ex.id, ex.question, ex.answers,  # noqa: E731
                            prompts.synthetic_prompt(ex.question), hops=ex.hops, meta=ex.meta)
+  # Whether a test question's entity is one the warm start learned to write: it appears in some
+  # train question's chain (every name there is queried or answered in the expert traces). The
+  # word-level tokenizer gives each name its own token, so a name never written in training is
+  # hard to copy, and held-out EM splits on it (`evaluate` reports both halves).
+  seen = {x for e in world.train for x in e.meta["chain"]}
+  test = [dict(mk(e), entity_seen=e.meta["chain"][0] in seen) for e in world.test]
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
                 vocab_size=tok.get_vocab_size(), train=select_hops(c, [mk(e) for e in world.train]),
-                test=[mk(e) for e in world.test],
+                test=test,
                 retriever=served if served is not None else build_retriever(c, world),
                 world=world)
 

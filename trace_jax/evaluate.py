@@ -33,12 +33,14 @@ def final_answer(tree) -> str | None:
 
 
 def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> dict:
-  """examples: dicts with prompt_ids, answers, and optional hops / source. Greedy, one rollout each.
+  """examples: dicts with prompt_ids, answers, and optional hops / source / entity_seen (the
+  synthetic world's: the question's entity appears in a train question). Greedy, one rollout each.
 
-  Returns em, f1, n, em_by_hops, em_by_source, f1_by_source, mean_turns, generated_tokens.
+  Returns em, f1, n, em_by_hops, em_by_source, f1_by_source, em_by_seen ({"seen", "unseen"}:
+  EM of each half, when the examples say), mean_turns, generated_tokens.
   """
   ems, f1s, turns = [], [], []
-  by_hops, by_src, f1_src = (collections.defaultdict(list) for _ in range(3))
+  by_hops, by_src, f1_src, by_seen = (collections.defaultdict(list) for _ in range(4))
   led0 = engine.ledger.generated_tokens
   with sampling_mode(engine, greedy=True):
     for i in range(0, len(examples), batch):
@@ -52,6 +54,8 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> d
         turns.append(max(n.depth for n in t.nodes))
         if e.get("hops") is not None:
           by_hops[int(e["hops"])].append(em)
+        if e.get("entity_seen") is not None:
+          by_seen["seen" if e["entity_seen"] else "unseen"].append(em)
         src = e.get("source", "default")
         by_src[src].append(em)
         f1_src[src].append(f)
@@ -61,4 +65,5 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> d
               em_by_hops={h: mean(v) for h, v in sorted(by_hops.items())},
               em_by_source={s: mean(v) for s, v in sorted(by_src.items())},
               f1_by_source={s: mean(v) for s, v in sorted(f1_src.items())},
+              em_by_seen={k: mean(v) for k, v in sorted(by_seen.items())},
               generated_tokens=engine.ledger.generated_tokens - led0)

@@ -392,6 +392,7 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
          "generated_tokens_total": state.totals["generated_tokens"]}
   rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})
   rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
+  rec.update({f"eval_em_{k}": v for k, v in res["em_by_seen"].items()})  # entity seen in train
   run.writer.write(step, rec)
   if step == 0:
     print(f"[trace_jax] greedy EM before RL: {res['em']:.3f} by hops {res['em_by_hops']}",
