@@ -319,12 +319,17 @@ def run_row(row, summary, recs) -> dict:
              slice_auc=slice_last.get("slice_auc"), slice_brier=slice_last.get("slice_brier"),
              slice_ece=slice_last.get("slice_ece"), slice_p_gap=slice_last.get("slice_p_gap"),
              slice_n=slice_last.get("slice_n"), run=row["run"])
+  evals = [r for r in recs if "eval_em" in r]
+  for half in ("seen", "unseen"):  # the test questions whose entity a train question has, or not
+    last = next((r for r in reversed(evals) if f"eval_em_{half}" in r), None)
+    if last is not None:
+      out[f"accuracy_final_{half}"] = last[f"eval_em_{half}"]
   return out
 
 
 AGG_KEYS = ("accuracy_final", "effective_ratio", "mixed_groups", "generated_tokens", "rollouts",
-            "stage1_mixed",
-            "slice_auc", "anchor_depth_mean")
+            "stage1_mixed", "slice_auc", "anchor_depth_mean", "accuracy_final_seen",
+            "accuracy_final_unseen")
 
 
 def _stats(vals):
@@ -368,6 +373,40 @@ def _fmt(s, digits=3):
       return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
     return f"{s['mean']:.{digits}f}"
   return f"{s:+.{digits}f}" if isinstance(s, float) else str(s)
+
+
+def em_by_step(rows, recs_by_run) -> str:
+  """Held-out EM at each evaluation step (mean ± std over the seeds with records) and the
+  generated tokens spent by then, per regime, budget mode and method: whether the accuracy curves
+  separate, and when."""
+  curves = {}
+  for r in rows:
+    evals = [x for x in recs_by_run.get(r["run"], []) if "eval_em" in x]
+    if evals:
+      curves.setdefault((r["regime"], r["budget"], r["method"]), []).append(
+          {int(x["step"]): (x["eval_em"], x.get("generated_tokens_total")) for x in evals})
+  if not curves:
+    return ""
+  order = {m: i for i, m in enumerate(METHODS)}
+  lines = []
+  for regime, budget in sorted({k[:2] for k in curves}):
+    keys = sorted((k for k in curves if k[:2] == (regime, budget)),
+                  key=lambda k: order.get(k[2], 99))
+    steps = sorted({s for k in keys for c in curves[k] for s in c})
+    lines += [f"### held-out EM by step: {regime}, equal {budget}", "",
+              "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
+              "|---|---" + "|---" * len(steps) + "|"]
+    for k in keys:
+      cells = []
+      for s in steps:
+        em = _stats([c[s][0] for c in curves[k] if s in c])
+        tok = _stats([c[s][1] for c in curves[k] if s in c and c[s][1] is not None])
+        cells.append("-" if em is None else _fmt(em) + ("" if not tok or not tok["mean"] else
+                                                         f" ({tok['mean'] / 1e3:.0f}k)"))
+      lines.append(f"| {k[2]} | {len(curves[k])} | " + " | ".join(cells) + " |")
+    lines.append("")
+  lines.append("(in parentheses: mean generated tokens by then)\n")
+  return "\n".join(lines)
 
 
 def markdown(aggs) -> str:
@@ -575,6 +614,9 @@ def main(argv):
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(out, f, indent=1, default=str)
   md = markdown(aggs)
+  curves = em_by_step([r for r, old in table_rows if old is None], recs)
+  if curves:
+    md += "\n" + curves
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
     f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
             f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n" + md

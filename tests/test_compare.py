@@ -164,6 +164,24 @@ def test_archive_and_carried_rows(tmp_path):
                                           "default/rollouts/trace_tree-seed0"}) == []
 
 
+def test_em_by_step_over_seeds():
+  rows = [dict(regime="default", budget="rollouts", method=m, run=f"{m}-{k}")
+          for m in ("trace_tree", "grpo") for k in (0, 1)]
+  ev = lambda step, em, tok: {"step": step, "eval_em": em, "generated_tokens_total": tok}  # noqa: E731
+  recs = {"grpo-0": [ev(0, 0.2, 0), {"step": 1, "effective_ratio": 0.7}, ev(2, 0.3, 10000)],
+          "grpo-1": [ev(0, 0.2, 0), ev(2, 0.4, 12000)],
+          "trace_tree-0": [ev(0, 0.2, 0), ev(2, 0.5, 9000)], "trace_tree-1": []}
+  md = compare.em_by_step(rows, recs)
+  assert "| method | seeds | step 0 | step 2 |" in md
+  assert "| grpo | 2 | 0.200 ± 0.000 | 0.350 ± 0.071 (11k) |" in md
+  assert "| trace_tree | 1 | 0.200 | 0.500 (9k) |" in md  # seed 1 has no records
+  assert md.index("| grpo |") < md.index("| trace_tree |")  # the methods' order
+  assert compare.em_by_step(rows, {}) == ""
+  row = compare.run_row(dict(method="grpo", seed=0, regime="default", budget="rollouts", run="r"),
+                        {}, [dict(ev(10, 0.4, 1), eval_em_seen=0.6, eval_em_unseen=0.2)])
+  assert (row["accuracy_final_seen"], row["accuracy_final_unseen"]) == (0.6, 0.2)
+
+
 def test_plan_is_seed_major():
   rows = compare.plan(["trace_tree", "grpo"], seeds=2, baseline_seeds=1, regimes=["default"],
                       budgets=["rollouts"])
