@@ -14,6 +14,7 @@ import os
 
 import ml_collections
 
+DEFAULT_TRAP_RATE = 0.7  # SyntheticWorldConfig.trap_rate: the world of every earlier result
 METHODS = ("trace", "trace_tree", "root_only", "grpo", "dapo", "tree_grpo", "arpo")
 
 
@@ -42,6 +43,9 @@ def _base():
   c.world = ml_collections.ConfigDict()   # the synthetic world (ignored with real data)
   c.world.seed = 0
   c.world.cache_dir = "cache"   # world, tokenizer and warm-start checkpoint are cached here
+  # P(the expert queries a trap hop with the question's wording, which surfaces the misleading
+  # passage). Higher: the better wording is rarer in the traces, so RL must discover it.
+  c.world.trap_rate = DEFAULT_TRAP_RATE
 
   c.data = ml_collections.ConfigDict()    # real data (qwen3 variants)
   c.data.train_path = ""    # local file in any supported format (trace_jax.data.load_qa)
@@ -373,6 +377,8 @@ def validate(c) -> None:
   _choice(c, "rl.advantage", ADVANTAGES)
   _choice(c, "rl.predictor_weighting", ("uniform", "visits"))
   _choice(c, "model.predictor_features", ("last", "last+prompt_mean"))
+  if not 0 <= c.world.trap_rate <= 1:
+    raise ValueError(f"world.trap_rate={c.world.trap_rate} must be in [0, 1]")
   _at_least(c, "eval.every", 1)
   _at_least(c, "eval.size", 1, "(an empty evaluation set has no accuracy)")
   _at_least(c, "ckpt.every", 1)

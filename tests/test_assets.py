@@ -66,3 +66,25 @@ def test_test_questions_say_whether_their_entity_was_seen_in_training(tmp_path):
   assert all(e["entity_seen"] == (e["meta"]["chain"][0] in seen) for e in a.test)
   assert 0 < sum(e["entity_seen"] for e in a.test) < len(a.test)  # both halves exist
   assert all("entity_seen" not in e for e in a.train)
+
+
+def test_trap_rate_keys_its_own_world_and_warm_start():
+  """`world.trap_rate` at the world's default keeps the caches of every earlier run (same world
+  directory, same warm-start key); another rate gets its own world and warm start."""
+  import pytest
+
+  from trace_jax.assets import world_dir_name
+  from trace_jax.envs.synthetic import SyntheticWorldConfig
+
+  assert mhqa.DEFAULT_TRAP_RATE == SyntheticWorldConfig.trap_rate
+  base = _cfg()
+  legacy = _cfg()
+  del legacy.world["trap_rate"]  # a config from before the option
+  assert warm_start_key(base) == warm_start_key(legacy)
+  assert world_dir_name(base) == world_dir_name(legacy) == "world-seed0"
+  harder = _cfg(world__trap_rate=0.9)
+  assert warm_start_key(harder) != warm_start_key(base)
+  assert world_dir_name(harder) == "world-seed0-trap0.9"
+  bad = _cfg(world__trap_rate=1.5)
+  with pytest.raises(ValueError, match="trap_rate"):
+    mhqa.validate(bad)

@@ -244,17 +244,34 @@ def select_hops(c, train: list) -> list:
   return kept
 
 
+def _default_trap_rate() -> float:
+  from trace_jax.envs.synthetic import SyntheticWorldConfig
+  return SyntheticWorldConfig.trap_rate
+
+
+def _trap_rate(c) -> float:
+  return float(c.world.get("trap_rate", _default_trap_rate()))
+
+
+def world_dir_name(c) -> str:
+  """The world's cache directory under `world.cache_dir`: `world-seed{seed}`, with the trap rate
+  appended when it is not the world's default (whose caches predate the option)."""
+  rate = _trap_rate(c)
+  return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
+
+
 def load_world_assets(c) -> Assets:
   from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
 
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
-  wdir = os.path.join(c.world.cache_dir, f"world-seed{c.world.seed}")
+  wdir = os.path.join(c.world.cache_dir, world_dir_name(c))
   world = None
   # Several processes share the cache: the first one writes it, the others read it once written.
   if not os.path.exists(os.path.join(wdir, "world.json")) and jax.process_index() == 0:
     world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
-                                                max_turns=c.env.max_turns))
+                                                max_turns=c.env.max_turns,
+                                                trap_rate=_trap_rate(c)))
     world.save(wdir)
   if jax.process_count() > 1:
     allgather_object(None)  # a barrier: the cache is complete past it
@@ -348,7 +365,10 @@ def warm_start_key(c) -> str:
   # Settings added later that never change the expert traces stay out, so caches stay valid.
   env = {k: v for k, v in c.env.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
   model = {k: v for k, v in c.model.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
-  blob = json.dumps({"world": c.world.to_dict(), "model": model, "sft": sft,
+  world = c.world.to_dict()
+  if world.get("trap_rate") == _default_trap_rate():  # keys of the default world stay as they were
+    del world["trap_rate"]
+  blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 3}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
