@@ -276,8 +276,10 @@ def main(argv):
       data_info.append(info)
   else:
     w = world()
-    examples = [assets_lib._example(encode, bos_id, e.id, e.question, e.answers,
-                                    prompt_fn(e.question), hops=e.hops, meta=e.meta)
+    seen = assets_lib.seen_entities(w)  # EM is reported for seen and unseen entities too
+    examples = [dict(assets_lib._example(encode, bos_id, e.id, e.question, e.answers,
+                                         prompt_fn(e.question), hops=e.hops, meta=e.meta),
+                     entity_seen=e.meta["chain"][0] in seen)
                 for e in w.test]
     data_info = [dict(path=None, format="synthetic_world_test", kept=len(examples))]
     examples = examples[:_LIMIT.value or None]

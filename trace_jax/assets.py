@@ -260,6 +260,12 @@ def world_dir_name(c) -> str:
   return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
 
 
+def seen_entities(world) -> set:
+  """The entities of the world's train questions (every name their chains pass through): the names
+  the expert traces write. A test question whose entity is among them is `entity_seen`."""
+  return {x for e in world.train for x in e.meta["chain"]}
+
+
 def load_world_assets(c) -> Assets:
   from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
 
@@ -291,7 +297,7 @@ def load_world_assets(c) -> Assets:
   # train question's chain (every name there is queried or answered in the expert traces). The
   # word-level tokenizer gives each name its own token, so a name never written in training is
   # hard to copy, and held-out EM splits on it (`evaluate` reports both halves).
-  seen = {x for e in world.train for x in e.meta["chain"]}
+  seen = seen_entities(world)
   test = [dict(mk(e), entity_seen=e.meta["chain"][0] in seen) for e in world.test]
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
                 vocab_size=tok.get_vocab_size(), train=select_hops(c, [mk(e) for e in world.train]),
