@@ -130,8 +130,9 @@ def plot(probes, path):
     ax.set_xlabel("share of rollouts")
   axes[0].set_yticks(range(len(names)), names)
   axes[0].invert_yaxis()
-  axes[1].legend(loc="lower right", fontsize=8)
-  fig.tight_layout()
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(KINDS), fontsize=8)
+  fig.tight_layout(rect=(0, 0.06, 1, 1))  # room for the legend below the bars
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
