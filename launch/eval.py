@@ -276,11 +276,7 @@ def main(argv):
       data_info.append(info)
   else:
     w = world()
-    seen = assets_lib.seen_entities(w)  # EM is reported for seen and unseen entities too
-    examples = [dict(assets_lib._example(encode, bos_id, e.id, e.question, e.answers,
-                                         prompt_fn(e.question), hops=e.hops, meta=e.meta),
-                     entity_seen=e.meta["chain"][0] in seen)
-                for e in w.test]
+    examples = assets_lib.world_examples(w, encode, bos_id, prompt_fn)  # seen/unseen marked
     data_info = [dict(path=None, format="synthetic_world_test", kept=len(examples))]
     examples = examples[:_LIMIT.value or None]
   if not examples:

@@ -96,11 +96,10 @@ def main(argv):
              date=time.strftime("%Y-%m-%d %H:%M:%S"), prompts=len(probe), samples_per_prompt=8,
              warm_start=dict(path=ws.get("path"), steps=ws.get("steps")), policy=policy,
              temperatures={})
-  ev = evaluate(engine, assets.test[:c.eval.size])  # greedy, as the training run's step-0 eval
+  # greedy, as the training run's step-0 eval; its trees say why each question failed
+  ev = evaluate(engine, assets.test[:c.eval.size], keep_trees=True)
+  trees = ev["trees"]
   out["greedy"] = dict(em=ev["em"], f1=ev["f1"], n=ev["n"], em_by_hops=ev["em_by_hops"])
-  with sampling_mode(engine, greedy=True):  # the same greedy rollouts, as trees: why they fail
-    trees = engine.run([PromptRequest(e["prompt_ids"], 1, meta=e)
-                        for e in assets.test[:c.eval.size]])
   out["greedy"]["outcomes"] = failure_breakdown(trees, assets.world)
   out["greedy"]["by_hops"] = _by_hops(trees, assets.world)
   out["greedy"]["by_seen"] = {  # the question's entity appears in a train question, or not
@@ -110,7 +109,6 @@ def main(argv):
   out["greedy"]["per_question"] = {  # to follow each question from one policy to another
       t.meta["id"]: classify_failure(t, t.leaves()[0].id, assets.world) or "success"
       for t in trees}
-  engine.release(trees)
   print("greedy", json.dumps(out["greedy"]), flush=True)
   for temp in map(float, _TEMPS.value.split(",")):
     with sampling_mode(engine, temperature=temp):

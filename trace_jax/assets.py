@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -266,6 +267,21 @@ def seen_entities(world) -> set:
   return {x for e in world.train for x in e.meta["chain"]}
 
 
+def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> list[dict]:
+  """A synthetic world's questions of `split` as example dicts (`_example`). Test questions also
+  say whether their entity is one the warm start learned to write (`entity_seen`): it appears in
+  some train question's chain. The word-level tokenizer gives each name its own token, so a name
+  never written in training is hard to copy, and held-out EM splits on it (`evaluate` reports
+  both halves)."""
+  seen = seen_entities(world) if split == "test" else None
+  out = []
+  for e in getattr(world, split):
+    ex = _example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question), hops=e.hops,
+                  meta=e.meta)
+    out.append(ex if seen is None else dict(ex, entity_seen=e.meta["chain"][0] in seen))
+  return out
+
+
 def load_world_assets(c) -> Assets:
   from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
 
@@ -291,17 +307,10 @@ def load_world_assets(c) -> Assets:
   encode = lambda s: tok.encode(s).ids  # noqa: E731
   decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
   bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
-  mk = lambda ex: _example(encode, bos, ex.id, ex.question, ex.answers,  # noqa: E731
-                           prompts.synthetic_prompt(ex.question), hops=ex.hops, meta=ex.meta)
-  # Whether a test question's entity is one the warm start learned to write: it appears in some
-  # train question's chain (every name there is queried or answered in the expert traces). The
-  # word-level tokenizer gives each name its own token, so a name never written in training is
-  # hard to copy, and held-out EM splits on it (`evaluate` reports both halves).
-  seen = seen_entities(world)
-  test = [dict(mk(e), entity_seen=e.meta["chain"][0] in seen) for e in world.test]
+  examples = functools.partial(world_examples, world, encode, bos, prompts.synthetic_prompt)
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
-                vocab_size=tok.get_vocab_size(), train=select_hops(c, [mk(e) for e in world.train]),
-                test=test,
+                vocab_size=tok.get_vocab_size(), train=select_hops(c, examples("train")),
+                test=examples("test"),
                 retriever=served if served is not None else build_retriever(c, world),
                 world=world)
 
@@ -363,17 +372,24 @@ def sft_seed(c) -> int:
 
 _NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall", "inject_retriever_errors",
                           "predictor_features")
+# Settings added later that do change the expert traces: in the key only away from the default they
+# were added with, so the caches made before them stay valid.
+_IN_WARM_START_KEY_OFF_DEFAULT = {"trap_rate": _default_trap_rate}
+
+
+def _key_section(section) -> dict:
+  out = {}
+  for k, v in section.to_dict().items():
+    default = _IN_WARM_START_KEY_OFF_DEFAULT.get(k)
+    if k not in _NOT_IN_WARM_START_KEY and not (default is not None and v == default()):
+      out[k] = v
+  return out
 
 
 def warm_start_key(c) -> str:
   """Cache key of the warm start: everything that changes it, the effective seed included."""
   sft = {k: v for k, v in c.sft.to_dict().items() if k != "seed"}
-  # Settings added later that never change the expert traces stay out, so caches stay valid.
-  env = {k: v for k, v in c.env.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
-  model = {k: v for k, v in c.model.to_dict().items() if k not in _NOT_IN_WARM_START_KEY}
-  world = c.world.to_dict()
-  if world.get("trap_rate") == _default_trap_rate():  # keys of the default world stay as they were
-    del world["trap_rate"]
+  env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 3}, sort_keys=True)

@@ -145,17 +145,14 @@ def restore_target(c, graphdef, params, mesh=None):
   from jax.sharding import NamedSharding
 
   from trace_jax.models.predictor import PredictorHead, feature_width
-  from trace_jax.rl.update import UpdateConfig, init_train_state, state_shardings
+  from trace_jax.rl.update import init_train_state, state_shardings, update_config_from
 
   # The head as the run built it (twice as wide when it read the prompt mean too).
   width = feature_width(nnx.merge(graphdef, params).cfg.hidden_size,
                         c.model.get("predictor_features", "last"))
   head = PredictorHead(width, c.model.predictor_hidden, rngs=nnx.Rngs(0))
-  ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
-                      eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
-                      entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
-                      micro_batches=c.rl.micro_batches, param_dtype=c.model.param_dtype)
-  abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1], ucfg))
+  abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1],
+                                                     update_config_from(c)))
   if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                              ("data", "fsdp", "tensor"))

@@ -10,6 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 
+def _shown(obs: str, title: str) -> bool:
+  return f"Title : {title} )" in obs or f"Title: {title})" in obs
+
+
 def _first_trap_hop(world, meta):
   for rel, subj in zip(meta["relations"], meta["chain"][:-1]):
     key = f"{rel}|{subj}"
@@ -27,9 +31,9 @@ def classify_rollout(tree, leaf_id, world) -> str | None:
   needed, wrong = hop
   for nid in tree.path(leaf_id)[1:]:
     obs = tree.nodes[nid].obs_text or ""
-    if f"Title : {needed} )" in obs or f"Title: {needed})" in obs:
+    if _shown(obs, needed):
       return "good"
-    if any(f"Title : {w} )" in obs or f"Title: {w})" in obs for w in wrong):
+    if any(_shown(obs, w) for w in wrong):
       return "bad"
   return None
 
@@ -50,10 +54,6 @@ def prefix_signal(trees, world) -> dict:
 
 # ---- why rollouts fail ----------------------------------------------------------------------------
 FAILURE_KINDS = ("no_answer", "misled", "wrong_entity", "search_missed", "wrong_answer")
-
-
-def _shown(obs: str, title: str) -> bool:
-  return f"Title : {title} )" in obs or f"Title: {title})" in obs
 
 
 def classify_failure(tree, leaf_id, world) -> str | None:
@@ -80,18 +80,16 @@ def classify_failure(tree, leaf_id, world) -> str | None:
   for hop, needed in enumerate(meta.get("needed_doc_ids", [])):
     if not _shown(obs, needed):
       subject = meta["chain"][hop]
-      searched = any(f" {subject} " in f" {_query(n.text)} " for n in path)
+      searched = any(f" {subject} " in f" {q} " for q in map(_query, path))
       return "search_missed" if searched else "wrong_entity"
   return "wrong_answer"
 
 
-def _query(text: str) -> str:
-  """The query of a turn's search action ('' when the turn did not search)."""
-  start = text.find("<search>")
-  if start < 0:
-    return ""
-  end = text.find("</search>", start)
-  return text[start + len("<search>"):end if end >= 0 else len(text)]
+def _query(node) -> str:
+  """The query of a turn's search action, as the environment parsed it ('' for other turns)."""
+  from trace_jax.envs.react import parse_action
+  action = parse_action(node.text)
+  return action.content if action.kind == "search" else ""
 
 
 def failure_breakdown(trees, world) -> dict:

@@ -32,14 +32,16 @@ def final_answer(tree) -> str | None:
   return a.content if a.kind == "answer" else None
 
 
-def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> dict:
+def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
+             keep_trees: bool = False) -> dict:
   """examples: dicts with prompt_ids, answers, and optional hops / source / entity_seen (the
   synthetic world's: the question's entity appears in a train question). Greedy, one rollout each.
 
   Returns em, f1, n, em_by_hops, em_by_source, f1_by_source, em_by_seen ({"seen", "unseen"}:
-  EM of each half, when the examples say), mean_turns, generated_tokens.
+  EM of each half, when the examples say), mean_turns, generated_tokens; with `keep_trees`,
+  also `trees` (one per example, their pages released: for inspecting why rollouts fail).
   """
-  ems, f1s, turns = [], [], []
+  ems, f1s, turns, kept = [], [], [], []
   by_hops, by_src, f1_src, by_seen = (collections.defaultdict(list) for _ in range(4))
   led0 = engine.ledger.generated_tokens
   with sampling_mode(engine, greedy=True):
@@ -60,10 +62,13 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256) -> d
         by_src[src].append(em)
         f1_src[src].append(f)
       engine.release(trees)
+      if keep_trees:
+        kept += trees
   mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
   return dict(em=mean(ems), f1=mean(f1s), n=len(ems), mean_turns=mean(turns),
               em_by_hops={h: mean(v) for h, v in sorted(by_hops.items())},
               em_by_source={s: mean(v) for s, v in sorted(by_src.items())},
               f1_by_source={s: mean(v) for s, v in sorted(f1_src.items())},
               em_by_seen={k: mean(v) for k, v in sorted(by_seen.items())},
-              generated_tokens=engine.ledger.generated_tokens - led0)
+              generated_tokens=engine.ledger.generated_tokens - led0,
+              **({"trees": kept} if keep_trees else {}))

@@ -52,7 +52,7 @@ from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
                                  make_optimizers, place_state, policy_params, reference_logprobs,
-                                 state_shardings)
+                                 state_shardings, update_config_from)
 from trace_jax.rollout import strategies
 from trace_jax.rollout.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
 from trace_jax.rollout.env_adapter import TreeEnvAdapter
@@ -211,7 +211,6 @@ def build(c, validate_fn=None) -> Run:
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
-  prompt_mean = c.model.predictor_features == "last+prompt_mean"  # head reads [last, prompt mean]
   head = PredictorHead(feature_width(model.cfg.hidden_size, c.model.predictor_features),
                        c.model.predictor_hidden, rngs=nnx.Rngs(c.seed + 1))
   pred_graphdef, pred_params = nnx.split(head)
@@ -257,14 +256,7 @@ def build(c, validate_fn=None) -> Run:
   # The driver's predictor is set from the loop state at every sample_step.
   driver = RolloutDriver(engine, dcfg, None, engine.prompt_features, seed=c.seed)
 
-  ucfg = UpdateConfig(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
-                      eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef,
-                      entropy_coef=c.rl.entropy_coef, max_grad_norm=c.rl.max_grad_norm,
-                      micro_batches=c.rl.micro_batches, remat=c.rl.remat,
-                      param_dtype=c.model.param_dtype,
-                      # log-probs of the sampling policy, softmax(z / T), in the update and the
-                      # reference alike (the sampler records the same)
-                      temperature=c.rollout.temperature, prompt_mean_features=prompt_mean)
+  ucfg = update_config_from(c)
   if mesh.size > 1 and not multi:  # parameters born in their logical sharding; optimizer states
     params = shard_state(params, mesh)  # follow them
   fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.envs import react
+from trace_jax.models.predictor import feature_width
 from trace_jax.parallel.sharding import DEFAULT_RULES, state_shardings, variable_value
 from trace_jax.rollout import engine_ops, slot_tables
 from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, PoolLayout, tree_pages,
@@ -236,7 +237,8 @@ class SamplerEngine:
           self._prompt_means[tuple(p)] = f[d:]
       if count_prefill:  # scoring prompts for allocation is prefill work too
         self.ledger.prefill_tokens += int(lens.sum())
-    d = self.model_cfg.hidden_size * (2 if cfg.prompt_mean_features else 1)
+    d = feature_width(self.model_cfg.hidden_size,
+                      "last+prompt_mean" if cfg.prompt_mean_features else "last")
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
   def _node_feature(self, tree: Tree, hidden) -> np.ndarray:
