@@ -319,7 +319,10 @@ def run_row(row, summary, recs) -> dict:
              slice_auc=slice_last.get("slice_auc"), slice_brier=slice_last.get("slice_brier"),
              slice_ece=slice_last.get("slice_ece"), slice_p_gap=slice_last.get("slice_p_gap"),
              slice_n=slice_last.get("slice_n"), run=row["run"])
+  out.update(sampled_trap_share=_mean_of(steps, "sampled_trap_share"),
+             reward_trap=_mean_of(steps, "reward_trap"))
   evals = [r for r in recs if "eval_em" in r]
+  out["em_half_gain_step"] = half_gain_step(evals)
   for half in ("seen", "unseen"):  # the test questions whose entity a train question has, or not
     last = next((r for r in reversed(evals) if f"eval_em_{half}" in r), None)
     if last is not None:
@@ -327,9 +330,20 @@ def run_row(row, summary, recs) -> dict:
   return out
 
 
+def half_gain_step(evals) -> int | None:
+  """The first evaluated step whose held-out EM has made half the run's gain (from the first
+  evaluation to the last), a measure of how fast a run learns; None without a gain."""
+  ems = [(r.get("step"), r["eval_em"]) for r in evals
+         if isinstance(r.get("eval_em"), (int, float)) and r.get("step") is not None]
+  if len(ems) < 2 or ems[-1][1] <= ems[0][1]:
+    return None
+  half = ems[0][1] + 0.5 * (ems[-1][1] - ems[0][1])
+  return next(int(st) for st, em in ems if em >= half)
+
+
 AGG_KEYS = ("accuracy_final", "effective_ratio", "mixed_groups", "generated_tokens", "rollouts",
             "stage1_mixed", "slice_auc", "anchor_depth_mean", "accuracy_final_seen",
-            "accuracy_final_unseen")
+            "accuracy_final_unseen", "sampled_trap_share", "reward_trap", "em_half_gain_step")
 
 
 def _stats(vals):
@@ -351,6 +365,8 @@ def aggregate(rows) -> list[dict]:
     a = dict(regime=regime, budget=budget, method=method, seeds=len(rs))
     for k in AGG_KEYS:
       a[k] = _stats([r.get(k) for r in rs])
+    a["em_half_gain_step_values"] = [r.get("em_half_gain_step") for r in
+                                     sorted(rs, key=lambda r: r["seed"])]
     out.append(a)
   by_key = {(a["regime"], a["budget"], a["method"]): a for a in out}
   for a in out:
@@ -434,6 +450,19 @@ def markdown(aggs) -> str:
           f"{_fmt(a['stage1_mixed'])} | {_fmt(a['slice_auc'])} | "
           f"{_fmt(a['anchor_depth_mean'], 2)} |")
     lines.append("")
+    speed = [a for a in rows if a.get("em_half_gain_step") or a.get("sampled_trap_share")]
+    if speed:  # how fast each method learns, and how much of it went to trap-hop questions
+      lines += [f"Learning speed and trap-hop questions ({regime}, equal {budget}): the first "
+                "evaluated step with half the run's EM gain; the share of the step's sampled "
+                "prompts with a trap hop, and their rollouts' success rate (means over steps).", "",
+                "| method | seeds | step of half the gain | per seed | sampled trap share | "
+                "trap success |", "|---|---|---|---|---|---|"]
+      for a in speed:
+        per = ", ".join(str(x) for x in a.get("em_half_gain_step_values") or []) or "-"
+        lines.append(f"| {a['method']} | {a['seeds']} | {_fmt(a.get('em_half_gain_step'), 1)} | "
+                     f"{per} | {_fmt(a.get('sampled_trap_share'))} | "
+                     f"{_fmt(a.get('reward_trap'))} |")
+      lines.append("")
   return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from trace_jax.diagnostics import FAILURE_KINDS, classify_failure, failure_breakdown
+from trace_jax.diagnostics import FAILURE_KINDS, classify_failure, failure_breakdown, trap_allocation
 from trace_jax.rollout.tree import Tree
 
 # A 2-hop question: Zantro --founded_by--> Kelmor --born_in--> Ostra. founded_by is a trap whose
@@ -60,3 +60,20 @@ def test_failure_breakdown_counts_every_leaf_once():
   assert out["success"] == out["misled"] == out["wrong_entity"] == out["wrong_answer"] == 0.25
   assert out["no_answer"] == out["search_missed"] == 0.0
   assert sum(out[k] for k in ("success", *FAILURE_KINDS)) == pytest.approx(1.0)
+
+
+def test_trap_allocation_splits_the_step_by_trap_hop():
+  """Two of four pool prompts have a trap hop; the step sampled one trap tree (two failed
+  rollouts) and one other tree (one success, one failure)."""
+  other = {"meta": {"relations": ["born_in", "born_in"], "chain": ["Kelmor", "Ostra", "Vey"]}}
+  pool = [META, META, other, other]
+  trap = tree_with([([obs("Brisk")], "X", 0.0), ([obs("Brisk")], "Y", 0.0)])
+  plain = Tree([1, 2, 3], uid=1, meta=other)
+  plain.add_node(0, text="<answer> Vey </answer>", done=True, reward=1.0)
+  plain.add_node(0, text="<answer> Ostra </answer>", done=True, reward=0.0)
+  out = trap_allocation(pool, [trap, plain], WORLD)
+  assert out["pool_trap_share"] == 0.5 and out["sampled_trap_share"] == 0.5
+  assert out["rollouts_trap_share"] == 0.5
+  assert out["reward_trap"] == 0.0 and out["mixed_share_trap"] == 0.0
+  assert out["reward_other"] == 0.5 and out["mixed_share_other"] == 1.0
+  assert trap_allocation(pool, [], WORLD) == {"pool_trap_share": 0.5}

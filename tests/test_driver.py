@@ -259,6 +259,36 @@ def test_candidate_pool_selects_prompts(engine, use_pred):
   assert s.info["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET
 
 
+def test_explore_slots_take_random_pool_prompts(engine):
+  """With every place an exploration slot, the step's prompts are exactly the randomly drawn ones,
+  so the prompt the head calls easy (never chosen by p̂ alone) is sampled under some seeds, with
+  its real p̂ on its tree; with one slot of two, the other place still goes by p̂."""
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  easy = float(predict(np.array([[EASY]]))[0])
+  chosen = []
+  for seed in range(4):
+    driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=2,
+                                                explore_prompts=2, **CFG),
+                           predict, prompt_features, seed=seed)
+    s = driver.sample(examples, use_predictor=True)
+    engine.release(s.all_trees)
+    ids = sorted(t.meta["id"] for t in s.trees)
+    assert ids == sorted(str(i) for i in driver._explore_idx)
+    chosen.append(ids)
+    if "0" in ids:
+      assert [t.root.p_hat for t in s.trees if t.meta["id"] == "0"] == [pytest.approx(easy)]
+      assert s.info["pool_p_hat_explored"] > 0.5
+  assert any("0" in ids for ids in chosen) and any("0" not in ids for ids in chosen)
+  driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=2,
+                                              explore_prompts=1, **CFG),
+                         predict, prompt_features, seed=0)
+  s = driver.sample(examples, use_predictor=True)
+  engine.release(s.all_trees)
+  ids = {t.meta["id"] for t in s.trees}
+  assert str(driver._explore_idx[0]) in ids and len(ids) == 2
+  assert ids - {str(driver._explore_idx[0])} <= {"1", "2"}  # the p̂ place skips the easy one
+
+
 def test_pool_rejected_by_uniform_methods(engine):
   driver = RolloutDriver(engine, DriverConfig(method="grpo", prompts_per_step=2, **CFG),
                          predict, prompt_features)

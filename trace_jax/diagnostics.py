@@ -52,6 +52,33 @@ def prefix_signal(trees, world) -> dict:
               n_bad=len(b), share_bad=len(b) / max(len(g) + len(b), 1))
 
 
+def trap_allocation(examples, trees, world) -> dict:
+  """Where a step's rollouts went, split by whether the question has a trap hop: the share of
+  trap questions in the prompts drawn (the pool), in the prompts given rollouts, and among the
+  step's rollouts, and the success rate and mixed-tree share of trap and other questions. A
+  predictor that learned "trap questions fail" steers stage 1 away from the prompts on which
+  the policy has to discover the passage wording; these numbers show whether it does."""
+  def is_trap(meta):
+    return _first_trap_hop(world, meta or {}) is not None
+  out = {}
+  if examples:
+    out["pool_trap_share"] = float(np.mean([is_trap(e.get("meta")) for e in examples]))
+  if not trees:
+    return out
+  flags = [is_trap(t.meta.get("meta")) for t in trees]
+  leaves = [t.leaves() for t in trees]
+  n_trap = sum(len(l) for l, f in zip(leaves, flags) if f)
+  out["sampled_trap_share"] = float(np.mean(flags))
+  out["rollouts_trap_share"] = n_trap / max(sum(len(l) for l in leaves), 1)
+  for name, want in (("trap", True), ("other", False)):
+    rs = [float(x.reward or 0.0) for l, f in zip(leaves, flags) if f == want for x in l]
+    mixed = [t.mixed for t, f in zip(trees, flags) if f == want]
+    if rs:
+      out[f"reward_{name}"] = float(np.mean(rs))
+      out[f"mixed_share_{name}"] = float(np.mean(mixed))
+  return out
+
+
 # ---- why rollouts fail ----------------------------------------------------------------------------
 FAILURE_KINDS = ("no_answer", "misled", "wrong_entity", "search_missed", "wrong_answer")
 

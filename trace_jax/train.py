@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from trace_jax import assets as assets_lib
 from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
-from trace_jax.diagnostics import prefix_signal
+from trace_jax.diagnostics import prefix_signal, trap_allocation
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead, feature_width
@@ -249,6 +249,7 @@ def build(c, validate_fn=None) -> Run:
                       cost_aware=r.cost_aware, tree_lambda=r.tree_lambda,
                       blend_prior=r.blend_prior, anchor_posterior=r.anchor_posterior,
                       anchor_prior_strength=r.anchor_prior_strength, root_anchors=r.root_anchors,
+                      explore_prompts=r.explore_prompts,
                       metric_slice=r.metric_slice, metric_rollouts=r.metric_rollouts,
                       calibrate=r.calibrate, calibrate_window=r.calibrate_window,
                       calibrate_prior=r.calibrate_prior,
@@ -467,12 +468,15 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
   run.fitter.rng = np.random.default_rng([c.seed, state.step, 2])
   run.engine.update_params(_policy(run, state))
   run.driver.predict = functools.partial(run.predict, _host(state.train["pred_params"]))
-  sample = run.driver.sample(step_examples(run, state.step), use_predictor=use_pred)
+  examples = step_examples(run, state.step)
+  sample = run.driver.sample(examples, use_predictor=use_pred)
   tm = tree_metrics(sample.all_trees)
   rec = dict(effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
              leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
              sample_seconds=time.time() - t0,
              **{k: v for k, v in sample.info.items() if isinstance(v, (int, float))})
+  if run.assets.world is not None:  # synthetic world: where the rollouts went, trap hops apart
+    rec.update(trap_allocation(examples, sample.all_trees, run.assets.world))
   return sample, rec
 
 

@@ -38,6 +38,8 @@ class DriverConfig:
   anchor_posterior: bool = True   # q from a Beta posterior of the tree's stage-1 counts and p̂
   anchor_prior_strength: float = 4.0  # s of that posterior's prior Beta(s p̂(root), s(1 - p̂(root)))
   root_anchors: bool = True       # predicted stage 2: the root of an unmixed tree is an anchor
+  explore_prompts: int = 0        # predicted roots: of the prompts_per_step, this many drawn at
+  #                                 random from the pool and allocated as if p̂ = 0.5 (0 = off)
   metric_slice: int = 8           # predicted roots: random pool prompts measured per step (0 = off)
   metric_rollouts: int = 2        # rollouts per measured prompt (outside the budget, not trained)
   dapo_oversample: float = 1.5
@@ -75,6 +77,7 @@ class RolloutDriver:
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
+    self._explore_idx = np.zeros(0, np.int64)  # the step's randomly explored pool prompts
 
   def state_dict(self) -> dict:
     """What the driver carries from step to step (for a checkpoint): the random slice's
@@ -106,7 +109,8 @@ class RolloutDriver:
                     1e-4, 1 - 1e-4).astype(np.float32)
       p_hat, calib = self._calibrated(raw)
       if n_sel < p:  # choose the prompts as well as their counts
-        m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(p_hat)
+        m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(
+            self._explored(p_hat, n_sel))
       else:
         m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(p_hat)
       return np.asarray(m), p_hat, raw, calib
@@ -116,6 +120,21 @@ class RolloutDriver:
     budget = c.root_budget if kind == "uniform" and c.method != "grpo" else \
         c.root_budget + c.prefix_budget
     return np.asarray(strategies.uniform_roots(p, budget)), None, None, identity
+
+  def _explored(self, p_hat, n_sel):
+    """p̂ as stage 1's pool selection sees it: with `explore_prompts` = e > 0, e prompts of the pool
+    drawn uniformly at random read p̂ = 0.5, the most valuable a prompt can look, so the allocation
+    takes them whatever the head predicts. A head that has learned a prompt kind fails everywhere
+    never samples it again on its own, and never sees the policy learn to solve it; the random
+    slots keep some of the budget on such prompts. Their trees keep their real p̂ (`sample`)."""
+    e = min(int(self.cfg.explore_prompts), n_sel)
+    self._explore_idx = np.zeros(0, np.int64)
+    if e <= 0:
+      return p_hat
+    self._explore_idx = np.sort(self.rng.choice(len(p_hat), e, replace=False))
+    out = np.array(p_hat, np.float32, copy=True)
+    out[self._explore_idx] = 0.5
+    return out
 
   # ---- stage 2 -----------------------------------------------------------------------------------
   def _candidates(self, trees):
@@ -309,6 +328,9 @@ class RolloutDriver:
       if not sel.all():
         extra["pool_p_hat_selected"] = float(np.mean(p_root[sel]))
         extra["pool_p_hat_left_out"] = float(np.mean(p_root[~sel]))
+        explored = getattr(self, "_explore_idx", np.zeros(0, np.int64))
+        if len(explored):
+          extra["pool_p_hat_explored"] = float(np.mean(p_root[explored]))
     cands = self._candidates(trees)
     k, p_pref = self._prefix_counts(trees, cands, use_predictor)
     forks = []
