@@ -482,7 +482,8 @@ def _band(ax, x, ys, label):
 
 def plots(rows, recs_by_run, out_dir) -> list[str]:
   """EM against generated tokens (seed bands: min-max), effective ratio per step, the slice
-  reliability diagram, and the share of continuations by anchor depth per step."""
+  reliability diagram, the share of continuations by anchor depth per step, and (synthetic
+  world runs that log it) the share of each step's rollouts on trap-hop questions."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -566,7 +567,20 @@ def plots(rows, recs_by_run, out_dir) -> list[str]:
         _band(ax, np.arange(1, n + 1), [c[:n] for c in curves], m)
     ax.set(xlabel="RL step", ylabel="mean anchor depth of continuations (0 = root)")
 
+  def trap_rollouts(ax, cell):
+    for m in methods:
+      curves = [[r["rollouts_trap_share"] for r in recs_by_run.get(run, [])
+                 if "rollouts_trap_share" in r] for run in runs_of(cell, m)]
+      curves = [c for c in curves if c]
+      if curves:
+        n = min(map(len, curves))
+        _band(ax, np.arange(1, n + 1), [c[:n] for c in curves], m)
+    ax.set(xlabel="RL step", ylabel="share of the step's rollouts on trap-hop questions",
+           ylim=(0, 1))
+
   os.makedirs(out_dir, exist_ok=True)
+  if any("rollouts_trap_share" in r for recs in recs_by_run.values() for r in recs):
+    grid("trap_rollouts.png", trap_rollouts, sharey=True)  # synthetic world runs only
   grid("em_vs_tokens.png", em_vs_tokens)
   grid("effective_ratio.png", er_per_step, sharey=True)
   grid("reliability.png", reliability, sharey=True)

@@ -92,7 +92,7 @@ def test_compare_smoke_and_resume(tmp_path):
   assert runs["grpo"]["run"].startswith("default/rollouts/")  # shared with the rollout mode
   assert runs["trace_tree"]["rollouts"] >= 6           # short continuations: at least as many
   for name in ("summary.md", "em_vs_tokens.png", "effective_ratio.png", "reliability.png",
-               "anchor_depths.png"):
+               "anchor_depths.png", "trap_rollouts.png"):
     assert os.path.getsize(tmp_path / "out" / name) > 0, name
   t0 = time.time()
   again = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,

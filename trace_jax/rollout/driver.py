@@ -96,6 +96,7 @@ class RolloutDriver:
     the calibration map; the p̂s are None when the allocation does not read the predictor."""
     c, p = self.cfg, len(examples)
     identity = (1.0, 0.0)
+    self._explore_idx = np.zeros(0, np.int64)
     kind = strategies.ROOT_ALLOCATION[c.method]
     if kind == "predicted":
       n_sel = c.prompts_per_step if 0 < c.prompts_per_step < p else p
@@ -128,7 +129,6 @@ class RolloutDriver:
     never samples it again on its own, and never sees the policy learn to solve it; the random
     slots keep some of the budget on such prompts. Their trees keep their real p̂ (`sample`)."""
     e = min(int(self.cfg.explore_prompts), n_sel)
-    self._explore_idx = np.zeros(0, np.int64)
     if e <= 0:
       return p_hat
     self._explore_idx = np.sort(self.rng.choice(len(p_hat), e, replace=False))
@@ -328,9 +328,8 @@ class RolloutDriver:
       if not sel.all():
         extra["pool_p_hat_selected"] = float(np.mean(p_root[sel]))
         extra["pool_p_hat_left_out"] = float(np.mean(p_root[~sel]))
-        explored = getattr(self, "_explore_idx", np.zeros(0, np.int64))
-        if len(explored):
-          extra["pool_p_hat_explored"] = float(np.mean(p_root[explored]))
+        if len(self._explore_idx):
+          extra["pool_p_hat_explored"] = float(np.mean(p_root[self._explore_idx]))
     cands = self._candidates(trees)
     k, p_pref = self._prefix_counts(trees, cands, use_predictor)
     forks = []
