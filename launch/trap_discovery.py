@@ -1,0 +1,145 @@
+"""What decides when a run finds the trap-hop wording: its successful trap-hop rollouts per step.
+
+  python launch/trap_discovery.py \
+      --summaries=results/compare_trap09,results/compare_trap09_explore,results/compare_trap09_platt
+
+Reads the archived runs of `launch/compare.py` summaries (`<summary>/runs/<run>/metrics.jsonl.gz`)
+whose steps log the trap-hop allocation (`diagnostics.trap_allocation`: synthetic-world runs from
+the version that added it), and for each run sets its learning speed (the first evaluated step
+with half its EM gain, `em_half_gain_step`) against the rollouts it spent on trap-hop questions
+and the successes among them, averaged over the first `--first_steps` RL steps (before any run
+has found the wording). Writes `<out>.json` (one row per run, and the rank correlation of each
+quantity with the step of half the gain) and `<out>.png` (the scatter, one colour per summary and
+method).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+import numpy as np
+from absl import app, flags
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+
+_SUMMARIES = flags.DEFINE_string("summaries", "results/compare_trap09",
+                                 "comma-separated compare.py output directories")
+_FIRST = flags.DEFINE_integer("first_steps", 4, "RL steps averaged (1..first_steps); 4 is before any "
+                             "run of the trap world has found the wording (the earliest at 6)")
+_OUT = flags.DEFINE_string("out", "results/trap_discovery", "output path without extension")
+
+
+def read_records(path: str) -> list[dict]:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
+  """Means over RL steps 1..first_steps of the rollouts on trap-hop questions and of the
+  successful ones among them; None when the run did not log them."""
+  steps = [r for r in recs if "rollouts_trap_share" in r and 1 <= r.get("step", 0) <= first_steps]
+  if not steps:
+    return None
+  trap = [r["rollouts_trap_share"] * r["leaves"] for r in steps]
+  wins = [r.get("reward_trap", 0.0) * t for r, t in zip(steps, trap)]
+  return dict(trap_rollouts_per_step=float(np.mean(trap)),
+              trap_successes_per_step=float(np.mean(wins)),
+              sampled_trap_share=float(np.mean([r["sampled_trap_share"] for r in steps])),
+              pool_trap_share=float(np.mean([r["pool_trap_share"] for r in steps])),
+              steps=len(steps))
+
+
+def spearman(x, y) -> float | None:
+  """Rank correlation (average ranks for ties); None below 3 pairs or with a constant side."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if len(x) < 3:
+    return None
+
+  def ranks(v):
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for u in np.unique(v):  # ties share their mean rank
+      r[v == u] = r[v == u].mean()
+    return r
+
+  rx, ry = ranks(x), ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return None
+  return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def collect(summaries: list[str], first_steps: int) -> list[dict]:
+  rows = []
+  for d in summaries:
+    with open(os.path.join(d, "summary.json")) as f:
+      summary = json.load(f)
+    for run in summary["runs"]:
+      path = os.path.join(d, "runs", run["run"], "metrics.jsonl.gz")
+      if not os.path.exists(path):
+        continue
+      stats = early_trap_stats(read_records(path), first_steps)
+      if stats is None:
+        continue
+      rows.append(dict(summary=os.path.basename(os.path.normpath(d)), method=run["method"],
+                       seed=run["seed"], em_half_gain_step=run.get("em_half_gain_step"),
+                       accuracy_final=run.get("accuracy_final"),
+                       effective_ratio=run.get("effective_ratio"), **stats))
+  return rows
+
+
+def correlations(rows: list[dict]) -> dict:
+  ok = [r for r in rows if r["em_half_gain_step"] is not None]
+  steps = [r["em_half_gain_step"] for r in ok]
+  return {k: spearman([r[k] for r in ok], steps)
+          for k in ("trap_successes_per_step", "trap_rollouts_per_step", "sampled_trap_share")}
+
+
+def plot(rows: list[dict], path: str, first_steps: int) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4.2))
+  for label in sorted({(r["summary"], r["method"]) for r in rows}):
+    pts = [r for r in rows if (r["summary"], r["method"]) == label and
+           r["em_half_gain_step"] is not None]
+    ax.scatter([r["trap_successes_per_step"] for r in pts], [r["em_half_gain_step"] for r in pts],
+               label=f"{label[1]} ({label[0]})", s=30)
+  ax.set(xlabel=f"successful trap-hop rollouts per step (steps 1-{first_steps})",
+         ylabel="first step with half the EM gain")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  summaries = [s for s in _SUMMARIES.value.split(",") if s]
+  rows = collect(summaries, _FIRST.value)
+  if not rows:
+    raise SystemExit(f"no archived run under {summaries} logs the trap-hop allocation "
+                     f"(rollouts_trap_share): they predate it")
+  out = dict(command="python launch/trap_discovery.py " + " ".join(sys.argv[1:]),
+             first_steps=_FIRST.value, runs=rows, spearman_with_half_gain_step=correlations(rows))
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value + ".json", "w") as f:
+    json.dump(out, f, indent=1)
+  plot(rows, _OUT.value + ".png", _FIRST.value)
+  for r in rows:
+    print(f"{r['summary']:24s} {r['method']:10s} seed {r['seed']}: half gain at step "
+          f"{r['em_half_gain_step']}, {r['trap_successes_per_step']:.1f} trap successes / "
+          f"{r['trap_rollouts_per_step']:.0f} trap rollouts per step")
+  print("rank correlation with the step of half the gain:",
+        json.dumps(out["spearman_with_half_gain_step"]))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,63 @@
+"""`launch/trap_discovery.py`: early trap-hop rollouts of archived runs against learning speed."""
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "trap_discovery", os.path.join(ROOT, "launch", "trap_discovery.py"))
+td = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(td)
+
+
+def step(k, trap_share, reward_trap, leaves=128):
+  return dict(step=k, rollouts_trap_share=trap_share, reward_trap=reward_trap, leaves=leaves,
+              sampled_trap_share=trap_share, pool_trap_share=0.5)
+
+
+def test_early_trap_stats_reads_only_the_first_steps():
+  recs = [{"step": -1, "sft_nll": 1.0}, {"step": 0, "eval_em": 0.2}, step(1, 0.5, 0.02),
+          step(2, 0.25, 0.0), step(3, 1.0, 1.0)]
+  out = td.early_trap_stats(recs, first_steps=2)
+  assert out["steps"] == 2
+  assert out["trap_rollouts_per_step"] == pytest.approx((64 + 32) / 2)
+  assert out["trap_successes_per_step"] == pytest.approx(64 * 0.02 / 2)
+  assert td.early_trap_stats([{"step": 1, "effective_ratio": 0.5}], 4) is None
+
+
+def test_spearman():
+  assert td.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+  assert td.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  assert td.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # a tie
+  assert td.spearman([1, 2], [1, 2]) is None and td.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_script_on_an_archive(tmp_path):
+  """Three archived runs: the more trap rollouts early, the sooner half the gain; a run that
+  predates the logging is skipped."""
+  runs = []
+  for seed, share, half in ((0, 0.3, 12), (1, 0.5, 8), (2, 0.6, 6), (3, None, 10)):
+    name = f"default/rollouts/trace_tree-seed{seed}"
+    d = tmp_path / "cmp" / "runs" / name
+    d.mkdir(parents=True)
+    recs = [{"step": k, "effective_ratio": 0.5} if share is None else step(k, share, 0.05)
+            for k in range(1, 6)]
+    with gzip.open(d / "metrics.jsonl.gz", "wt") as f:
+      f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+    runs.append(dict(method="trace_tree", seed=seed, run=name, em_half_gain_step=half))
+  (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"runs": runs}))
+  out = tmp_path / "res" / "td"
+  p = subprocess.run([sys.executable, "launch/trap_discovery.py",
+                      f"--summaries={tmp_path / 'cmp'}", f"--out={out}"], cwd=ROOT,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+  assert p.returncode == 0, p.stdout[-2000:]
+  res = json.loads((tmp_path / "res" / "td.json").read_text())
+  assert [r["seed"] for r in res["runs"]] == [0, 1, 2]
+  assert res["spearman_with_half_gain_step"]["trap_rollouts_per_step"] == pytest.approx(-1.0)
+  assert os.path.getsize(str(out) + ".png") > 0
