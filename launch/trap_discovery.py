@@ -105,16 +105,21 @@ def plot(rows: list[dict], path: str, first_steps: int) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 4.2))
-  for label in sorted({(r["summary"], r["method"]) for r in rows}):
-    pts = [r for r in rows if (r["summary"], r["method"]) == label and
-           r["em_half_gain_step"] is not None]
-    ax.scatter([r["trap_successes_per_step"] for r in pts], [r["em_half_gain_step"] for r in pts],
-               label=f"{label[1]} ({label[0]})", s=30)
-  ax.set(xlabel=f"successful trap-hop rollouts per step (steps 1-{first_steps})",
-         ylabel="first step with half the EM gain")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+  for ax, key, what in ((axes[0], "trap_rollouts_per_step", "trap-hop rollouts"),
+                        (axes[1], "trap_successes_per_step", "successful trap-hop rollouts")):
+    for label in sorted({(r["summary"], r["method"]) for r in rows}):
+      pts = [r for r in rows if (r["summary"], r["method"]) == label and
+             r["em_half_gain_step"] is not None]
+      ax.scatter([r[key] for r in pts], [r["em_half_gain_step"] for r in pts],
+                 label=f"{label[1]} ({label[0]})", s=30)
+    rho = spearman([r[key] for r in rows if r["em_half_gain_step"] is not None],
+                   [r["em_half_gain_step"] for r in rows if r["em_half_gain_step"] is not None])
+    ax.set(xlabel=f"{what} per step (steps 1-{first_steps})",
+           title="rank correlation " + ("-" if rho is None else f"{rho:.2f}"))
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("first step with half the EM gain")
+  axes[1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
