@@ -26,13 +26,6 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-_SUMMARIES = flags.DEFINE_string("summaries", "results/compare_trap09",
-                                 "comma-separated compare.py output directories")
-_FIRST = flags.DEFINE_integer("first_steps", 4, "RL steps averaged (1..first_steps); 4 is before any "
-                             "run of the trap world has found the wording (the earliest at 6)")
-_OUT = flags.DEFINE_string("out", "results/trap_discovery", "output path without extension")
-
-
 def read_records(path: str) -> list[dict]:
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt") as f:
@@ -147,4 +140,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined only when run as a script: the tests import this module next to compare.py, whose
+  # flags share names with these in absl's global registry.
+  _SUMMARIES = flags.DEFINE_string("summaries", "results/compare_trap09",
+                                   "comma-separated compare.py output directories")
+  _FIRST = flags.DEFINE_integer("first_steps", 4,
+                                "RL steps averaged (1..first_steps); 4 is before any run of the "
+                                "trap world has found the wording (the earliest at 6)")
+  _OUT = flags.DEFINE_string("out", "results/trap_discovery", "output path without extension")
   app.run(main)
