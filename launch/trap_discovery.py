@@ -15,7 +15,6 @@ method).
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import sys
@@ -26,15 +25,12 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-def read_records(path: str) -> list[dict]:
-  opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
+from trace_jax.metrics import read_jsonl  # noqa: E402
 
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
-  """Means over RL steps 1..first_steps of the rollouts on trap-hop questions and of the
-  successful ones among them; None when the run did not log them."""
+  """Means over RL steps 1..first_steps of the rollouts on trap-hop questions, of the successful
+  ones among them and of the success rates of trap-hop and other questions, with the run's mean
+  predicted and realized stage-1 mixed share; None when the run did not log the trap split."""
   steps = [r for r in recs if "rollouts_trap_share" in r and 1 <= r.get("step", 0) <= first_steps]
   if not steps:
     return None
@@ -44,7 +40,16 @@ def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
               trap_successes_per_step=float(np.mean(wins)),
               sampled_trap_share=float(np.mean([r["sampled_trap_share"] for r in steps])),
               pool_trap_share=float(np.mean([r["pool_trap_share"] for r in steps])),
+              reward_trap=_mean(steps, "reward_trap"), reward_other=_mean(steps, "reward_other"),
+              # over the whole run: what stage 1 expected of its groups, and what it got
+              stage1_predicted_mixed=_mean(recs, "stage1_predicted_mixed"),
+              stage1_mixed=_mean(recs, "stage1_mixed"),
               steps=len(steps))
+
+
+def _mean(recs, key):
+  vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
+  return float(np.mean(vals)) if vals else None
 
 
 def spearman(x, y) -> float | None:
@@ -76,7 +81,7 @@ def collect(summaries: list[str], first_steps: int) -> list[dict]:
       path = os.path.join(d, "runs", run["run"], "metrics.jsonl.gz")
       if not os.path.exists(path):
         continue
-      stats = early_trap_stats(read_records(path), first_steps)
+      stats = early_trap_stats(read_jsonl(path), first_steps)
       if stats is None:
         continue
       rows.append(dict(summary=os.path.basename(os.path.normpath(d)), method=run["method"],

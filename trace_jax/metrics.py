@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -61,9 +62,10 @@ def _json_default(x):
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """Records of a JSONL file; a torn last line (a write cut by a crash) is skipped, not fatal."""
+  """Records of a JSONL file (gzipped when the name ends in .gz, as a campaign's archived runs
+  are); a torn last line (a write cut by a crash) is skipped, not fatal."""
   out = []
-  with open(path) as f:
+  with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
     lines = [line for line in f if line.strip()]
   for i, line in enumerate(lines):
     try:
