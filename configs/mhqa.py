@@ -111,6 +111,8 @@ def _base():
   c.rollout.cost_aware = True     # budget_unit=tokens: rank anchors by gain per expected token
   c.rollout.explore_prompts = 0   # of prompts_per_step: pool prompts drawn at random, allocated
   #                                 as if p̂ = 0.5 (predicted roots; 0 = the head picks them all)
+  c.rollout.hard_prompts = 0      # of prompts_per_step: the pool's lowest-p̂ prompts, allocated
+  #                                 as if p̂ = 0.5 (a discovery term; predicted roots; 0 = off)
   c.rollout.metric_slice = 8      # random pool prompts per step measuring p̂ (outside the budget)
   c.rollout.metric_rollouts = 2   # rollouts per measured prompt (not trained on)
   c.rollout.calibrate = "none"    # none | platt: stage 1 recalibrates p̂ on the slice's outcomes
@@ -333,9 +335,11 @@ def validate(c) -> None:
   _at_least(c, "rollout.prefix_budget", 0)
   _at_least(c, "rollout.candidate_prompts", 0)
   _at_least(c, "rollout.explore_prompts", 0)
-  if r.explore_prompts > r.prompts_per_step:
-    raise ValueError(f"rollout.explore_prompts={r.explore_prompts} is more than prompts_per_step="
-                     f"{r.prompts_per_step}: the random slots are part of the step's prompts")
+  _at_least(c, "rollout.hard_prompts", 0)
+  if r.explore_prompts + r.hard_prompts > r.prompts_per_step:
+    raise ValueError(f"rollout.explore_prompts={r.explore_prompts} + rollout.hard_prompts="
+                     f"{r.hard_prompts} is more than prompts_per_step={r.prompts_per_step}: the "
+                     "forced slots are part of the step's prompts")
   _at_least(c, "rollout.top_k", 0)
   _at_least(c, "rollout.tree_lambda", 0)
   _at_least(c, "rollout.blend_prior", 0)

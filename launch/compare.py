@@ -225,14 +225,11 @@ def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
 # ---- collecting ----------------------------------------------------------------------------------
 def _records(workdir, archived=None):
   """Per-step records of a run: its workdir's metrics.jsonl, else the archived copy."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(path):
-    with open(path) as f:
-      return [json.loads(line) for line in f if line.strip()]
-  gz = os.path.join(archived, "metrics.jsonl.gz") if archived else None
-  if gz and os.path.exists(gz):
-    with gzip.open(gz, "rt") as f:
-      return [json.loads(line) for line in f if line.strip()]
+  from trace_jax.metrics import read_jsonl  # imported here: the launcher itself runs without jax
+  for path in (os.path.join(workdir, "metrics.jsonl"),
+               os.path.join(archived, "metrics.jsonl.gz") if archived else None):
+    if path and os.path.exists(path):
+      return read_jsonl(path)
   return []
 
 

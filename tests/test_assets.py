@@ -88,3 +88,16 @@ def test_trap_rate_keys_its_own_world_and_warm_start():
   bad = _cfg(world__trap_rate=1.5)
   with pytest.raises(ValueError, match="trap_rate"):
     mhqa.validate(bad)
+
+
+def test_forced_slots_fit_in_the_step():
+  """The exploration and hard slots are places among prompts_per_step: more is refused."""
+  import pytest
+
+  n = _cfg().rollout.prompts_per_step
+  assert n >= 2
+  mhqa.validate(_cfg(rollout__explore_prompts=1, rollout__hard_prompts=n - 1))
+  for bad in (_cfg(rollout__explore_prompts=1, rollout__hard_prompts=n),
+              _cfg(rollout__hard_prompts=-1)):
+    with pytest.raises(ValueError, match="hard_prompts"):
+      mhqa.validate(bad)

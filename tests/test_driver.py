@@ -273,7 +273,7 @@ def test_explore_slots_take_random_pool_prompts(engine):
     s = driver.sample(examples, use_predictor=True)
     engine.release(s.all_trees)
     ids = sorted(t.meta["id"] for t in s.trees)
-    assert ids == sorted(str(i) for i in driver._explore_idx)
+    assert all(t.meta["explored"] for t in s.trees)  # every tree came from a random slot
     chosen.append(ids)
     if "0" in ids:
       assert [t.root.p_hat for t in s.trees if t.meta["id"] == "0"] == [pytest.approx(easy)]
@@ -285,8 +285,51 @@ def test_explore_slots_take_random_pool_prompts(engine):
   s = driver.sample(examples, use_predictor=True)
   engine.release(s.all_trees)
   ids = {t.meta["id"] for t in s.trees}
-  assert str(driver._explore_idx[0]) in ids and len(ids) == 2
-  assert ids - {str(driver._explore_idx[0])} <= {"1", "2"}  # the p̂ place skips the easy one
+  explored = [t.meta["id"] for t in s.trees if t.meta["explored"]]
+  assert len(ids) == 2 and len(explored) == 1
+  assert ids - set(explored) <= {"1", "2"}  # the p̂ place skips the easy one
+
+
+def test_hard_slots_take_the_lowest_p_hat_prompts(engine):
+  """`hard_prompts`: the pool's lowest-p̂ prompts are taken whatever stage 1's mixed-group value
+  says of them, keep their real p̂, and are marked on their trees; with exploration slots as well,
+  the random ones are drawn from the rest of the pool."""
+  hard_logit = -5.0  # prompt 2 looks hopeless (p̂ ~ 0.007), prompt 0 easy, prompt 1 uncertain
+
+  def features(prompt_ids):
+    logit = {0: EASY, 2: hard_logit}
+    return np.asarray([[logit.get(PROMPTS.index(list(p)), 0.0), 1.0] for p in prompt_ids],
+                      np.float32)
+
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  hard_p = float(predict(np.array([[hard_logit]]))[0])
+  for hard, expect in ((0, None), (1, {"1", "2"})):
+    driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=2,
+                                                hard_prompts=hard, **CFG),
+                           predict, features, seed=0)
+    s = driver.sample(examples, use_predictor=True)
+    engine.release(s.all_trees)
+    ids = {t.meta["id"] for t in s.trees}
+    if expect is None:  # on p̂ alone the easy prompt (0.99) beats the hopeless one (0.007)
+      assert "1" in ids and "2" not in ids and "pool_p_hat_hard" not in s.info
+      assert all("hard" not in t.meta for t in s.trees)
+      continue
+    assert ids == expect
+    assert {t.meta["id"]: t.meta["hard"] for t in s.trees} == {"1": False, "2": True}
+    assert [t.root.p_hat for t in s.trees if t.meta["id"] == "2"] == [pytest.approx(hard_p)]
+    assert s.info["pool_p_hat_hard"] == pytest.approx(hard_p)
+  driver = RolloutDriver(engine, DriverConfig(method="trace_tree", prompts_per_step=4,
+                                              hard_prompts=2, explore_prompts=2, **CFG),
+                         predict, features, seed=3)
+  p_hat = np.array([0.9, 0.02, 0.5, 0.01, 0.7, 0.3], np.float32)
+  for _ in range(5):
+    seen, slots = driver._forced_slots(p_hat, 4)
+    assert slots["hard"].tolist() == [1, 3]
+    assert len(slots["explored"]) == 2 and not set(slots["explored"]) & {1, 3}
+    forced = np.concatenate([slots["hard"], slots["explored"]])
+    assert np.all(seen[forced] == 0.5)
+    rest = np.setdiff1d(np.arange(6), forced)
+    np.testing.assert_array_equal(seen[rest], p_hat[rest])
 
 
 def test_pool_rejected_by_uniform_methods(engine):

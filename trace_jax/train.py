@@ -249,7 +249,7 @@ def build(c, validate_fn=None) -> Run:
                       cost_aware=r.cost_aware, tree_lambda=r.tree_lambda,
                       blend_prior=r.blend_prior, anchor_posterior=r.anchor_posterior,
                       anchor_prior_strength=r.anchor_prior_strength, root_anchors=r.root_anchors,
-                      explore_prompts=r.explore_prompts,
+                      explore_prompts=r.explore_prompts, hard_prompts=r.hard_prompts,
                       metric_slice=r.metric_slice, metric_rollouts=r.metric_rollouts,
                       calibrate=r.calibrate, calibrate_window=r.calibrate_window,
                       calibrate_prior=r.calibrate_prior,

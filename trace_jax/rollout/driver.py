@@ -40,6 +40,8 @@ class DriverConfig:
   root_anchors: bool = True       # predicted stage 2: the root of an unmixed tree is an anchor
   explore_prompts: int = 0        # predicted roots: of the prompts_per_step, this many drawn at
   #                                 random from the pool and allocated as if p̂ = 0.5 (0 = off)
+  hard_prompts: int = 0           # predicted roots: of the prompts_per_step, the pool's this many
+  #                                 lowest-p̂ prompts, allocated as if p̂ = 0.5 (0 = off)
   metric_slice: int = 8           # predicted roots: random pool prompts measured per step (0 = off)
   metric_rollouts: int = 2        # rollouts per measured prompt (outside the budget, not trained)
   dapo_oversample: float = 1.5
@@ -77,7 +79,6 @@ class RolloutDriver:
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
-    self._explore_idx = np.zeros(0, np.int64)  # the step's randomly explored pool prompts
 
   def state_dict(self) -> dict:
     """What the driver carries from step to step (for a checkpoint): the random slice's
@@ -91,12 +92,14 @@ class RolloutDriver:
 
   # ---- stage 1 -----------------------------------------------------------------------------------
   def _root_counts(self, examples, use_predictor):
-    """Stage-1 rollouts per prompt. Returns (counts, p̂ used, raw p̂, Platt (a, b)): the p̂ the
-    allocation used (calibrated when `calibrate` is on), the head's own p̂ before calibration, and
-    the calibration map; the p̂s are None when the allocation does not read the predictor."""
+    """Stage-1 rollouts per prompt. Returns (counts, p̂ used, raw p̂, Platt (a, b), slots): the
+    p̂ the allocation used (calibrated when `calibrate` is on), the head's own p̂ before
+    calibration, the calibration map, and the pool indices of the step's forced slots
+    (`_forced_slots`: {"explored": ..., "hard": ...}, each sorted, empty when off); the p̂s are
+    None when the allocation does not read the predictor."""
     c, p = self.cfg, len(examples)
-    identity = (1.0, 0.0)
-    self._explore_idx = np.zeros(0, np.int64)
+    none = np.zeros(0, np.int64)
+    identity, no_slots = (1.0, 0.0), {"explored": none, "hard": none}
     kind = strategies.ROOT_ALLOCATION[c.method]
     if kind == "predicted":
       n_sel = c.prompts_per_step if 0 < c.prompts_per_step < p else p
@@ -105,36 +108,47 @@ class RolloutDriver:
         m = np.zeros(p, np.int32)
         m[:n_sel] = np.asarray(_alloc_roots(c.root_budget, c.min_per_prompt, cap)(
             np.full(n_sel, 0.5, np.float32)))
-        return m, None, None, identity
+        return m, None, None, identity, no_slots
       raw = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
                     1e-4, 1 - 1e-4).astype(np.float32)
       p_hat, calib = self._calibrated(raw)
+      slots = no_slots
       if n_sel < p:  # choose the prompts as well as their counts
-        m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(
-            self._explored(p_hat, n_sel))
+        seen, slots = self._forced_slots(p_hat, n_sel)
+        m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(seen)
       else:
         m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(p_hat)
-      return np.asarray(m), p_hat, raw, calib
+      return np.asarray(m), p_hat, raw, calib, slots
     if len(examples) > c.prompts_per_step > 0 and c.method != "dapo":
       raise ValueError(f"{c.method} samples every prompt it is given: pass prompts_per_step "
                        f"({c.prompts_per_step}) prompts, not {len(examples)}")
     budget = c.root_budget if kind == "uniform" and c.method != "grpo" else \
         c.root_budget + c.prefix_budget
-    return np.asarray(strategies.uniform_roots(p, budget)), None, None, identity
+    return np.asarray(strategies.uniform_roots(p, budget)), None, None, identity, no_slots
 
-  def _explored(self, p_hat, n_sel):
-    """p̂ as stage 1's pool selection sees it: with `explore_prompts` = e > 0, e prompts of the pool
-    drawn uniformly at random read p̂ = 0.5, the most valuable a prompt can look, so the allocation
-    takes them whatever the head predicts. A head that has learned a prompt kind fails everywhere
-    never samples it again on its own, and never sees the policy learn to solve it; the random
-    slots keep some of the budget on such prompts. Their trees keep their real p̂ (`sample`)."""
-    e = min(int(self.cfg.explore_prompts), n_sel)
-    if e <= 0:
-      return p_hat
-    self._explore_idx = np.sort(self.rng.choice(len(p_hat), e, replace=False))
+  def _forced_slots(self, p_hat, n_sel):
+    """p̂ as stage 1's pool selection sees it, with the step's forced slots read as p̂ = 0.5 (the
+    most valuable a prompt can look), so the allocation takes them whatever the head predicts;
+    their trees keep their real p̂ (`sample`). Two kinds, both off by default:
+    - `hard_prompts` = h: the pool's h lowest-p̂ prompts. Stage 1 seeks mixed groups, and a prompt
+      kind the policy has not solved (p ≈ 0.03) is rarely mixed, so on its own stage 1 spends
+      little there, and the rare success that teaches that kind comes late. These slots are a
+      discovery term: they keep h of the step's prompts on what the head calls hardest.
+    - `explore_prompts` = e: e prompts drawn uniformly at random from the rest of the pool. A head
+      that has learned a prompt kind fails everywhere never samples it again on its own, and never
+      sees the policy learn to solve it; the random slots keep some of the budget on such prompts.
+    Returns (p̂ as seen, {"explored": indices, "hard": indices}, each sorted)."""
+    h = min(int(self.cfg.hard_prompts), n_sel)
+    e = min(int(self.cfg.explore_prompts), n_sel - h)
+    hard = np.sort(np.argsort(p_hat, kind="stable")[:h]).astype(np.int64)
+    explored = np.zeros(0, np.int64)
+    if e > 0:  # no random number is drawn when off, so earlier runs reproduce exactly
+      rest = np.setdiff1d(np.arange(len(p_hat)), hard)
+      explored = np.sort(self.rng.choice(rest, e, replace=False)).astype(np.int64)
     out = np.array(p_hat, np.float32, copy=True)
-    out[self._explore_idx] = 0.5
-    return out
+    out[hard] = 0.5
+    out[explored] = 0.5
+    return out, {"explored": explored, "hard": hard}
 
   # ---- stage 2 -----------------------------------------------------------------------------------
   def _candidates(self, trees):
@@ -303,11 +317,15 @@ class RolloutDriver:
     ledger0 = dict(self.engine.ledger.as_dict())
     if c.method == "dapo":
       return self._sample_dapo(examples, ledger0)
-    m, p_root, raw_p_root, calib = self._root_counts(examples, use_predictor)
+    m, p_root, raw_p_root, calib, slots = self._root_counts(examples, use_predictor)
     reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, m) if k > 0]
     trees = self.engine.run(reqs)
-    for t in trees:  # stage-1 rollouts of the tree (stage 2 may add more at the root)
+    kept = np.flatnonzero(m > 0)  # pool index of each tree
+    for t, i in zip(trees, kept):  # stage-1 rollouts of the tree (stage 2 may add more at the root)
       t.meta["stage1_rollouts"] = len(t.leaves())
+      for kind, idx in slots.items():  # taken by a forced slot (`_forced_slots`)
+        if len(idx):
+          t.meta[kind] = bool(np.isin(i, idx))
     predictions = []
     if p_root is not None and use_predictor:
       p_kept = [p for p, k in zip(p_root, m) if k > 0]
@@ -328,8 +346,9 @@ class RolloutDriver:
       if not sel.all():
         extra["pool_p_hat_selected"] = float(np.mean(p_root[sel]))
         extra["pool_p_hat_left_out"] = float(np.mean(p_root[~sel]))
-        if len(self._explore_idx):
-          extra["pool_p_hat_explored"] = float(np.mean(p_root[self._explore_idx]))
+        for kind, idx in slots.items():
+          if len(idx):
+            extra[f"pool_p_hat_{kind}"] = float(np.mean(p_root[idx]))
     cands = self._candidates(trees)
     k, p_pref = self._prefix_counts(trees, cands, use_predictor)
     forks = []
