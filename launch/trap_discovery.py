@@ -44,7 +44,23 @@ def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
               # over the whole run: what stage 1 expected of its groups, and what it got
               stage1_predicted_mixed=_mean(recs, "stage1_predicted_mixed"),
               stage1_mixed=_mean(recs, "stage1_mixed"),
+              run_sampled_trap_share=_mean(recs, "sampled_trap_share"),
+              run_pool_trap_share=_mean(recs, "pool_trap_share"),
+              final_slice_calib=final_slice_calib(recs),
               steps=len(steps))
+
+
+def final_slice_calib(recs: list[dict]) -> list[dict]:
+  """The reliability bins of the run's last step that logs them (`slice_calib<i>_n`, `_pred`,
+  `_outcome`: the random slice's rollouts by p̂ bin), non-empty bins only."""
+  for r in reversed(recs):
+    bins = sorted({int(k[len("slice_calib"):].split("_")[0]) for k in r
+                   if k.startswith("slice_calib") and k.endswith("_n")})
+    if bins:
+      return [dict(n=r[f"slice_calib{i}_n"], pred=r[f"slice_calib{i}_pred"],
+                   outcome=r[f"slice_calib{i}_outcome"]) for i in bins
+              if r[f"slice_calib{i}_n"]]
+  return []
 
 
 def _mean(recs, key):

@@ -188,15 +188,19 @@ def test_half_gain_step_and_trap_table():
                                  ev(8, 0.4)]) == 6  # half of 0.2 -> 0.4 is 0.3
   assert compare.half_gain_step([ev(0, 0.3), ev(2, 0.2)]) is None  # no gain
   assert compare.half_gain_step([ev(0, 0.3)]) is None
+  assert compare.curve_mean([ev(0, 0.2), ev(2, 0.2), ev(4, 0.3), ev(6, 0.4)]) == \
+      pytest.approx(0.3)  # step 0 left out
+  assert compare.curve_mean([ev(0, 0.2)]) is None
   rows = [dict(method="trace_tree", seed=s, regime="default", budget="rollouts",
                accuracy_final=0.3, effective_ratio=0.5, em_half_gain_step=st,
-               sampled_trap_share=share, reward_trap=0.1)
-          for s, st, share in ((1, 8, 0.3), (0, 6, 0.5))]
+               em_curve_mean=cm, sampled_trap_share=share, reward_trap=0.1)
+          for s, st, share, cm in ((1, 8, 0.3, 0.25), (0, 6, 0.5, 0.27))]
   a = compare.aggregate(rows)[0]
   assert a["em_half_gain_step_values"] == [6, 8]  # by seed
   assert a["sampled_trap_share"]["mean"] == pytest.approx(0.4)
   md = compare.markdown([a])
-  assert "| trace_tree | 2 | 7.0 ± 1.4 | 6, 8 | 0.400 ± 0.141 | 0.100 ± 0.000 |" in md
+  assert ("| trace_tree | 2 | 7.0 ± 1.4 | 6, 8 | 0.260 ± 0.014 | 0.400 ± 0.141 | "
+          "0.100 ± 0.000 |") in md
 
 
 def test_plan_is_seed_major():

@@ -29,6 +29,18 @@ def test_early_trap_stats_reads_only_the_first_steps():
   assert out["trap_rollouts_per_step"] == pytest.approx((64 + 32) / 2)
   assert out["trap_successes_per_step"] == pytest.approx(64 * 0.02 / 2)
   assert td.early_trap_stats([{"step": 1, "effective_ratio": 0.5}], 4) is None
+  assert out["run_sampled_trap_share"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)  # every step
+  assert out["final_slice_calib"] == []  # no step logs the reliability bins
+
+
+def test_final_slice_calib_takes_the_last_logged_bins():
+  def bins(step, n0):
+    return {"step": step, "slice_calib0_n": n0, "slice_calib0_pred": 0.1,
+            "slice_calib0_outcome": 0.2, "slice_calib3_n": 4, "slice_calib3_pred": 0.9,
+            "slice_calib3_outcome": 0.5}
+  recs = [bins(1, 2), bins(2, 0), {"step": 2, "eval_em": 0.3}]
+  assert td.final_slice_calib(recs) == [dict(n=4, pred=0.9, outcome=0.5)]  # empty bin 0 dropped
+  assert td.final_slice_calib(recs[:1])[0] == dict(n=2, pred=0.1, outcome=0.2)
 
 
 def test_spearman():
