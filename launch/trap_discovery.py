@@ -2,7 +2,7 @@
 
   python launch/trap_discovery.py --summaries=results/compare_trap09,\
 results/compare_trap09_explore,results/compare_trap09_explore8,results/compare_trap09_platt,\
-results/compare_trap09_hard,results/compare_trap09_hardplatt
+results/compare_trap09_hard,results/compare_trap09_hard4,results/compare_trap09_hardplatt
 
 Reads the archived runs of `launch/compare.py` summaries (`<summary>/runs/<run>/metrics.jsonl.gz`)
 whose steps log the trap-hop allocation (`diagnostics.trap_allocation`: synthetic-world runs from
