@@ -59,6 +59,8 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from trace_jax.seed_stats import fmt as _fmt, fmt_welch, stats as _stats, welch  # noqa: E402
+
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
 MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
 ROOT_ONLY_METHODS = ("grpo", "dapo")            # no stage 2: one run serves both budget modes
@@ -353,12 +355,7 @@ AGG_KEYS = ("accuracy_final", "effective_ratio", "mixed_groups", "generated_toke
             "em_curve_mean")
 
 
-def _stats(vals):
-  vals = [v for v in vals if isinstance(v, (int, float)) and np.isfinite(v)]
-  if not vals:
-    return None
-  return dict(mean=float(np.mean(vals)), std=float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0,
-              min=float(np.min(vals)), max=float(np.max(vals)), n=len(vals))
+WELCH_KEYS = ("accuracy_final", "em_curve_mean", "effective_ratio")
 
 
 def aggregate(rows) -> list[dict]:
@@ -375,6 +372,12 @@ def aggregate(rows) -> list[dict]:
     a["em_half_gain_step_values"] = [r.get("em_half_gain_step") for r in
                                      sorted(rs, key=lambda r: r["seed"])]
     out.append(a)
+  for a in out:  # per-seed differences from GRPO in the same regime and budget mode
+    base = groups.get((a["regime"], a["budget"], "grpo"))
+    if base and a["method"] != "grpo":
+      rs = groups[(a["regime"], a["budget"], a["method"])]
+      a["welch_vs_grpo"] = {k: welch([r.get(k) for r in rs], [r.get(k) for r in base])
+                            for k in WELCH_KEYS}
   by_key = {(a["regime"], a["budget"], a["method"]): a for a in out}
   for a in out:
     g = by_key.get((a["regime"], a["budget"], "grpo"))
@@ -386,16 +389,6 @@ def aggregate(rows) -> list[dict]:
     if a["accuracy_final"] and g["accuracy_final"]:
       a["accuracy_minus_grpo"] = a["accuracy_final"]["mean"] - g["accuracy_final"]["mean"]
   return out
-
-
-def _fmt(s, digits=3):
-  if s is None:
-    return "-"
-  if isinstance(s, dict):
-    if s["n"] > 1:
-      return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
-    return f"{s['mean']:.{digits}f}"
-  return f"{s:+.{digits}f}" if isinstance(s, float) else str(s)
 
 
 def em_by_step(rows, recs_by_run) -> str:
@@ -463,13 +456,16 @@ def markdown(aggs) -> str:
                 "evaluated step with half the run's EM gain; the mean held-out EM over the "
                 "evaluations after step 0 (the area under the learning curve); the share of the "
                 "step's sampled prompts with a trap hop, and their rollouts' success rate (means "
-                "over steps).", "",
+                "over steps); vs grpo: the difference in mean EM over the run and Welch's t of "
+                "it over seeds.", "",
                 "| method | seeds | step of half the gain | per seed | mean EM over the run | "
-                "sampled trap share | trap success |", "|---|---|---|---|---|---|---|"]
+                "vs grpo (Welch t) | sampled trap share | trap success |",
+                "|---|---|---|---|---|---|---|---|"]
       for a in speed:
         per = ", ".join(str(x) for x in a.get("em_half_gain_step_values") or []) or "-"
         lines.append(f"| {a['method']} | {a['seeds']} | {_fmt(a.get('em_half_gain_step'), 1)} | "
                      f"{per} | {_fmt(a.get('em_curve_mean'))} | "
+                     f"{fmt_welch((a.get('welch_vs_grpo') or {}).get('em_curve_mean'))} | "
                      f"{_fmt(a.get('sampled_trap_share'))} | "
                      f"{_fmt(a.get('reward_trap'))} |")
       lines.append("")

@@ -31,7 +31,9 @@ from trace_jax.metrics import read_jsonl  # noqa: E402
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
   """Means over RL steps 1..first_steps of the rollouts on trap-hop questions, of the successful
   ones among them and of the success rates of trap-hop and other questions, with the run's mean
-  predicted and realized stage-1 mixed share; None when the run did not log the trap split."""
+  predicted and realized stage-1 mixed share and pool trap share (its sampled trap share is
+  `compare.py`'s `sampled_trap_share`, read from the summary by `collect`); None when the run did
+  not log the trap split."""
   steps = [r for r in recs if "rollouts_trap_share" in r and 1 <= r.get("step", 0) <= first_steps]
   if not steps:
     return None
@@ -45,7 +47,6 @@ def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
               # over the whole run: what stage 1 expected of its groups, and what it got
               stage1_predicted_mixed=_mean(recs, "stage1_predicted_mixed"),
               stage1_mixed=_mean(recs, "stage1_mixed"),
-              run_sampled_trap_share=_mean(recs, "sampled_trap_share"),
               run_pool_trap_share=_mean(recs, "pool_trap_share"),
               final_slice_calib=final_slice_calib(recs),
               steps=len(steps))
@@ -104,7 +105,8 @@ def collect(summaries: list[str], first_steps: int) -> list[dict]:
       rows.append(dict(summary=os.path.basename(os.path.normpath(d)), method=run["method"],
                        seed=run["seed"], em_half_gain_step=run.get("em_half_gain_step"),
                        accuracy_final=run.get("accuracy_final"),
-                       effective_ratio=run.get("effective_ratio"), **stats))
+                       effective_ratio=run.get("effective_ratio"),
+                       run_sampled_trap_share=run.get("sampled_trap_share"), **stats))
   return rows
 
 

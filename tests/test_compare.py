@@ -50,6 +50,11 @@ def test_aggregate_against_grpo():
   assert t["er_minus_grpo"] == pytest.approx(0.2)
   assert t["wasted_vs_grpo"] == pytest.approx(0.5)
   assert t["accuracy_minus_grpo"] == pytest.approx(0.05)
+  w = t["welch_vs_grpo"]["accuracy_final"]  # equal spreads 0.02 over 3 seeds: se = 0.02 * √(2/3)
+  assert w["diff"] == pytest.approx(0.05) and w["se"] == pytest.approx(0.02 * (2 / 3) ** 0.5)
+  assert w["df"] == pytest.approx(4.0) and w["n"] == [3, 3]
+  assert t["welch_vs_grpo"]["effective_ratio"] is None  # no spread on either side
+  assert "welch_vs_grpo" not in aggs["grpo"]
   md = compare.markdown(list(aggs.values()))
   assert "| trace_tree | 3 | 0.470 ± 0.020 | 0.800 ± 0.000 | - | 0.50 | +0.050 |" in md
   # Mixed groups per step: the ratio times the prompts a run trains on. Fewer prompts at a higher
@@ -199,8 +204,14 @@ def test_half_gain_step_and_trap_table():
   assert a["em_half_gain_step_values"] == [6, 8]  # by seed
   assert a["sampled_trap_share"]["mean"] == pytest.approx(0.4)
   md = compare.markdown([a])
-  assert ("| trace_tree | 2 | 7.0 ± 1.4 | 6, 8 | 0.260 ± 0.014 | 0.400 ± 0.141 | "
-          "0.100 ± 0.000 |") in md
+  assert ("| trace_tree | 2 | 7.0 ± 1.4 | 6, 8 | 0.260 ± 0.014 | - | 0.400 ± 0.141 | "
+          "0.100 ± 0.000 |") in md  # no grpo runs: no Welch cell
+  grpo = [dict(rows[0], method="grpo", em_curve_mean=cm, seed=s)
+          for s, cm in ((0, 0.20), (1, 0.22), (2, 0.24))]
+  a = next(x for x in compare.aggregate(rows + grpo) if x["method"] == "trace_tree")
+  w = a["welch_vs_grpo"]["em_curve_mean"]
+  assert w["diff"] == pytest.approx(0.04) and w["n"] == [2, 3]
+  assert f"| 0.260 ± 0.014 | +0.040 (t {w['t']:.1f}) |" in compare.markdown([a])
 
 
 def test_plan_is_seed_major():

@@ -332,6 +332,29 @@ def test_hard_slots_take_the_lowest_p_hat_prompts(engine):
     np.testing.assert_array_equal(seen[rest], p_hat[rest])
 
 
+def test_hard_slots_apply_when_every_prompt_is_taken(engine):
+  """With no larger pool (every prompt given rollouts), a hard slot still reads its prompt as
+  p̂ = 0.5 for the counts: the hopeless prompt gets the uncertain prompt's share, not the
+  minimum."""
+  def features(prompt_ids):
+    logit = {0: EASY, 2: -5.0}
+    return np.asarray([[logit.get(PROMPTS.index(list(p)), 0.0), 1.0] for p in prompt_ids],
+                      np.float32)
+
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  counts = {}
+  for hard in (0, 1):
+    cfg = DriverConfig(method="trace_tree", hard_prompts=hard, **dict(CFG, max_per_prompt=6))
+    driver = RolloutDriver(engine, cfg, predict, features, seed=0)
+    m, p_hat, _, _, slots = driver._root_counts(examples, use_predictor=True)
+    assert m.sum() == ROOT_BUDGET and p_hat[2] < 0.01
+    assert slots["hard"].tolist() == ([2] if hard else [])
+    counts[hard] = m.tolist()
+  assert counts[0][2] < counts[0][1] - 1, counts  # on p̂ alone the hopeless prompt gets less
+  # with the slot, as much as the uncertain one (the odd rollout goes to one of the two)
+  assert counts[1][2] > counts[0][2] and abs(counts[1][2] - counts[1][1]) <= 1, counts
+
+
 def test_pool_rejected_by_uniform_methods(engine):
   driver = RolloutDriver(engine, DriverConfig(method="grpo", prompts_per_step=2, **CFG),
                          predict, prompt_features)

@@ -29,7 +29,7 @@ def test_early_trap_stats_reads_only_the_first_steps():
   assert out["trap_rollouts_per_step"] == pytest.approx((64 + 32) / 2)
   assert out["trap_successes_per_step"] == pytest.approx(64 * 0.02 / 2)
   assert td.early_trap_stats([{"step": 1, "effective_ratio": 0.5}], 4) is None
-  assert out["run_sampled_trap_share"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)  # every step
+  assert out["run_pool_trap_share"] == pytest.approx(0.5)  # every step
   assert out["final_slice_calib"] == []  # no step logs the reliability bins
 
 
@@ -62,7 +62,8 @@ def test_script_on_an_archive(tmp_path):
             for k in range(1, 6)]
     with gzip.open(d / "metrics.jsonl.gz", "wt") as f:
       f.write("\n".join(json.dumps(r) for r in recs) + "\n")
-    runs.append(dict(method="trace_tree", seed=seed, run=name, em_half_gain_step=half))
+    runs.append(dict(method="trace_tree", seed=seed, run=name, em_half_gain_step=half,
+                     sampled_trap_share=share))
   (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"runs": runs}))
   out = tmp_path / "res" / "td"
   p = subprocess.run([sys.executable, "launch/trap_discovery.py",
@@ -71,5 +72,7 @@ def test_script_on_an_archive(tmp_path):
   assert p.returncode == 0, p.stdout[-2000:]
   res = json.loads((tmp_path / "res" / "td.json").read_text())
   assert [r["seed"] for r in res["runs"]] == [0, 1, 2]
+  # the run-long sampled trap share is compare.py's, carried from the summary
+  assert [r["run_sampled_trap_share"] for r in res["runs"]] == [0.3, 0.5, 0.6]
   assert res["spearman_with_half_gain_step"]["trap_rollouts_per_step"] == pytest.approx(-1.0)
   assert os.path.getsize(str(out) + ".png") > 0

@@ -112,12 +112,13 @@ class RolloutDriver:
       raw = np.clip(self.predict(self.prompt_features([e["prompt_ids"] for e in examples])),
                     1e-4, 1 - 1e-4).astype(np.float32)
       p_hat, calib = self._calibrated(raw)
-      slots = no_slots
+      # The forced slots apply whether or not the pool is larger than the step: with every prompt
+      # taken, a slot still gives its prompt the share of the budget p̂ = 0.5 would get.
+      seen, slots = self._forced_slots(p_hat, n_sel)
       if n_sel < p:  # choose the prompts as well as their counts
-        seen, slots = self._forced_slots(p_hat, n_sel)
         m = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(seen)
       else:
-        m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(p_hat)
+        m = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(seen)
       return np.asarray(m), p_hat, raw, calib, slots
     if len(examples) > c.prompts_per_step > 0 and c.method != "dapo":
       raise ValueError(f"{c.method} samples every prompt it is given: pass prompts_per_step "

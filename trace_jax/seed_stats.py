@@ -1,0 +1,57 @@
+"""Statistics over seeds for the comparison scripts (numpy only: no jax is imported).
+
+`stats` gives mean, sample std, range and count of a set of per-seed values; `welch` compares two
+such sets (difference of means, its standard error, t and the Welch-Satterthwaite degrees of
+freedom); `fmt` and `fmt_welch` write them as table cells.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _finite(vals) -> list[float]:
+  return [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
+          and np.isfinite(v)]
+
+
+def stats(vals) -> dict | None:
+  """mean, std (sample, ddof 1; 0 for one value), min, max and n of the finite numbers in vals;
+  None when there are none."""
+  vals = _finite(vals)
+  if not vals:
+    return None
+  return dict(mean=float(np.mean(vals)), std=float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0,
+              min=float(np.min(vals)), max=float(np.max(vals)), n=len(vals))
+
+
+def welch(a, b) -> dict | None:
+  """Welch's comparison of two sets of per-seed values: the difference of means (a - b), its
+  standard error from the two sample variances, t = diff / se and the Welch-Satterthwaite degrees
+  of freedom; None with fewer than two finite values on a side or no spread on either."""
+  a, b = np.asarray(_finite(a), np.float64), np.asarray(_finite(b), np.float64)
+  if len(a) < 2 or len(b) < 2:
+    return None
+  va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+  se = float(np.sqrt(va + vb))
+  if se < 1e-12:  # equal values up to rounding on both sides
+    return None
+  df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+  diff = float(a.mean() - b.mean())
+  return dict(diff=diff, se=se, t=diff / se, df=float(df), n=[len(a), len(b)])
+
+
+def fmt(s, digits: int = 3) -> str:
+  """A `stats` dict as `mean ± std` (the mean alone for one value), a float with its sign, or `-`."""
+  if s is None:
+    return "-"
+  if isinstance(s, dict):
+    if s["n"] > 1:
+      return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}"
+  return f"{s:+.{digits}f}" if isinstance(s, float) else str(s)
+
+
+def fmt_welch(w, digits: int = 3) -> str:
+  """`+0.025 (t 3.3)`: a `welch` difference and its t, or `-`."""
+  return "-" if not w else f"{w['diff']:+.{digits}f} (t {w['t']:.1f})"
