@@ -77,3 +77,9 @@ def test_trap_allocation_splits_the_step_by_trap_hop():
   assert out["reward_trap"] == 0.0 and out["mixed_share_trap"] == 0.0
   assert out["reward_other"] == 0.5 and out["mixed_share_other"] == 1.0
   assert trap_allocation(pool, [], WORLD) == {"pool_trap_share": 0.5}
+  # The training loop logs it through the data source, which knows whether it has a world.
+  from trace_jax.assets import Assets
+  kw = dict(encode=None, decode=None, bos_id=None, eos_id=None, vocab_size=1, train=[], test=[],
+            retriever=None)
+  assert Assets(world=WORLD, **kw).step_diagnostics(pool, [trap, plain]) == out
+  assert Assets(**kw).step_diagnostics(pool, [trap, plain]) == {}  # real data: nothing

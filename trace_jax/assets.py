@@ -38,6 +38,15 @@ class Assets:
   retriever: object
   world: object = None    # the synthetic world, when used
 
+  def step_diagnostics(self, examples, trees) -> dict:
+    """What the data source can say of a step's sampled trees beyond their rewards, logged with
+    the step: on the synthetic world, where the rollouts went with trap-hop questions apart
+    (`diagnostics.trap_allocation`); nothing on real data."""
+    if self.world is None:
+      return {}
+    from trace_jax.diagnostics import trap_allocation
+    return trap_allocation(examples, trees, self.world)
+
 
 REAL_VARIANTS = ("qwen3", "real")  # variant name prefixes that train on real data
 

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from trace_jax import assets as assets_lib
 from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
-from trace_jax.diagnostics import prefix_signal, trap_allocation
+from trace_jax.diagnostics import prefix_signal
 from trace_jax.evaluate import evaluate
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
 from trace_jax.models.predictor import PredictorHead, feature_width
@@ -475,8 +475,7 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
              leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
              sample_seconds=time.time() - t0,
              **{k: v for k, v in sample.info.items() if isinstance(v, (int, float))})
-  if run.assets.world is not None:  # synthetic world: where the rollouts went, trap hops apart
-    rec.update(trap_allocation(examples, sample.all_trees, run.assets.world))
+  rec.update(run.assets.step_diagnostics(examples, sample.all_trees))
   return sample, rec
 
 
