@@ -372,7 +372,7 @@ def aggregate(rows) -> list[dict]:
     a["em_half_gain_step_values"] = [r.get("em_half_gain_step") for r in
                                      sorted(rs, key=lambda r: r["seed"])]
     out.append(a)
-  for a in out:  # per-seed differences from GRPO in the same regime and budget mode
+  for a in out:  # Welch's (unpaired) comparison over seeds with GRPO, same regime and budget
     base = groups.get((a["regime"], a["budget"], "grpo"))
     if base and a["method"] != "grpo":
       rs = groups[(a["regime"], a["budget"], a["method"])]
@@ -456,10 +456,10 @@ def markdown(aggs) -> str:
                 "evaluated step with half the run's EM gain; the mean held-out EM over the "
                 "evaluations after step 0 (the area under the learning curve); the share of the "
                 "step's sampled prompts with a trap hop, and their rollouts' success rate (means "
-                "over steps); vs grpo: the difference in mean EM over the run and Welch's t of "
-                "it over seeds.", "",
+                "over steps); vs grpo: the difference in mean EM over the run, Welch's t of it "
+                "over seeds and its degrees of freedom.", "",
                 "| method | seeds | step of half the gain | per seed | mean EM over the run | "
-                "vs grpo (Welch t) | sampled trap share | trap success |",
+                "vs grpo (Welch t, df) | sampled trap share | trap success |",
                 "|---|---|---|---|---|---|---|---|"]
       for a in speed:
         per = ", ".join(str(x) for x in a.get("em_half_gain_step_values") or []) or "-"

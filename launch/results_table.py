@@ -10,7 +10,7 @@ Each `--arm` is `DIR:METHOD:LABEL`: the runs of METHOD (in `--regime` and `--bud
 `DIR/summary.json`, shown as LABEL; `--reference` names the label the others are compared with.
 The held-out EM at `--eval_steps` comes from each run's archived records
 (`DIR/runs/<run>/metrics.jsonl.gz`); a run without them leaves those cells to the others.
-Writes `<table_out>.md` (the table), `<table_out>.json` (per arm: the per-seed values, their
+Writes `<table_out>.md` (its command, then the table), `<table_out>.json` (per arm: the per-seed values, their
 mean and spread, and the Welch comparisons with the reference for the mean EM over the run, the
 final EM, the effective ratio and the EM at each listed step) and `<table_out>.png` (mean held-out
 EM by step with a band of one std over seeds, one line per arm).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -57,8 +58,9 @@ def load_arm(arm: dict, regime: str = "default", budget: str = "rollouts") -> di
   path = os.path.join(arm["dir"], "summary.json")
   with open(path) as f:
     summary = json.load(f)
-  runs = sorted((r for r in summary["runs"] if r["method"] == arm["method"]
-                 and r["regime"] == regime and r["budget"] == budget), key=lambda r: r["seed"])
+  runs = sorted((r for r in summary["runs"] if r.get("method") == arm["method"]
+                 and r.get("regime", "default") == regime
+                 and r.get("budget", "rollouts") == budget), key=lambda r: r.get("seed", 0))
   if not runs:
     raise ValueError(f"{path} has no {arm['method']} run in regime {regime}, budget {budget}")
   for r in runs:
@@ -70,6 +72,8 @@ def summarize(arms: list[dict], reference: str, eval_steps: list[int]) -> list[d
   """Per arm: seeds, the mean and spread of each figure and of the EM at each step, and the Welch
   comparisons with the reference arm (none for the reference itself)."""
   by_label = {a["label"]: a for a in arms}
+  if len(by_label) != len(arms):
+    raise ValueError(f"arm labels must differ: {[a['label'] for a in arms]}")
   if reference not in by_label:
     raise ValueError(f"--reference={reference!r} is none of the arms' labels {list(by_label)}")
 
@@ -82,7 +86,7 @@ def summarize(arms: list[dict], reference: str, eval_steps: list[int]) -> list[d
   out = []
   for a in arms:
     row = dict(label=a["label"], dir=a["dir"], method=a["method"],
-               seeds=[r["seed"] for r in a["runs"]],
+               seeds=[r.get("seed") for r in a["runs"]],
                half_gain_steps=[r.get("em_half_gain_step") for r in a["runs"]],
                stats={k: stats(values(a, k)) for k in RUN_KEYS},
                em_at_step={s: stats(values(a, s)) for s in eval_steps})
@@ -94,16 +98,26 @@ def summarize(arms: list[dict], reference: str, eval_steps: list[int]) -> list[d
   return out
 
 
+def _em_cell(st, seeds: int) -> str:
+  """An EM-at-step cell; `(n=k)` when fewer runs than the arm's seeds have that evaluation
+  archived."""
+  if st is None or st["n"] == seeds:
+    return fmt(st)
+  return f"{fmt(st)} (n={st['n']})"
+
+
 def markdown(rows: list[dict], reference: str, eval_steps: list[int]) -> str:
   head = (["arm", "seeds"] + [f"EM step {s}" for s in eval_steps] +
-          ["mean EM over the run", f"vs {reference} (Welch t)", "effective ratio",
+          ["mean EM over the run", f"vs {reference} (Welch t, df)", "effective ratio",
            "mixed groups / step", "generated tokens", "slice AUC",
            "step of half the EM gain, per seed"])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     st = r["stats"]
     tok = st["generated_tokens"]
-    cells = ([r["label"], str(len(r["seeds"]))] + [fmt(r["em_at_step"][s]) for s in eval_steps] +
+    n = len(r["seeds"])
+    cells = ([r["label"].replace("|", "\\|"), str(n)] +
+             [_em_cell(r["em_at_step"][s], n) for s in eval_steps] +
              [fmt(st["em_curve_mean"]),
               fmt_welch((r.get("vs_reference") or {}).get("em_curve_mean")),
               fmt(st["effective_ratio"]), fmt(st["mixed_groups"], 1),
@@ -126,10 +140,11 @@ def plot(arms: list[dict], path: str) -> None:
     per = [[r["curve"][s] for r in a["runs"] if s in r["curve"]] for s in steps]
     mean = np.array([np.mean(v) for v in per])
     std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in per])
-    line, = ax.plot(steps, mean, marker="o", ms=3, label=f"{a['label']} ({len(a['runs'])})")
+    label = a["label"].replace("$", r"\$")  # no mathtext in a label
+    line, = ax.plot(steps, mean, marker="o", ms=3, label=f"{label} ({len(a['runs'])})")
     ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.08)
   ax.set(xlabel="RL step", ylabel="held-out EM (greedy)",
-         title="mean over seeds, band: one std (seeds in parentheses)")
+         title="mean over the seeds with records, band: one std (runs in parentheses)")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
   fig.tight_layout()
@@ -140,19 +155,16 @@ def plot(arms: list[dict], path: str) -> None:
 def main(argv):
   del argv
   arms = [load_arm(parse_arm(s), _REGIME.value, _BUDGET.value) for s in _ARMS.value]
-  labels = [a["label"] for a in arms]
-  if len(set(labels)) != len(labels):
-    raise SystemExit(f"arm labels must differ: {labels}")
   steps = [int(s) for s in _STEPS.value.split(",") if s]
   rows = summarize(arms, _REFERENCE.value, steps)
   md = markdown(rows, _REFERENCE.value, steps)
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  command = "python launch/results_table.py " + " ".join(
-      f"'{a}'" if " " in a else a for a in sys.argv[1:])
+  command = "python launch/results_table.py " + shlex.join(sys.argv[1:])
   with open(_OUT.value + ".md", "w") as f:
-    f.write(f"Command: `{command}`. Mean ± sample std over seeds; vs {_REFERENCE.value}: the "
-            "difference in mean held-out EM over the run (the evaluations after step 0) and "
-            "Welch's t over seeds.\n\n" + md)
+    f.write(f"Command:\n\n```sh\n{command}\n```\n\nMean ± sample std over seeds; vs {_REFERENCE.value}: the "
+            "difference in mean held-out EM over the run (the evaluations after step 0), Welch's "
+            "t over seeds and its degrees of freedom (each arm against the same reference: with "
+            "many arms, one large t can be chance).\n\n" + md)
   with open(_OUT.value + ".json", "w") as f:
     json.dump(dict(command=command, regime=_REGIME.value, budget=_BUDGET.value,
                    reference=_REFERENCE.value, eval_steps=steps, arms=rows), f, indent=1)

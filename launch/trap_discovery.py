@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -149,7 +150,7 @@ def main(argv):
   if not rows:
     raise SystemExit(f"no archived run under {summaries} logs the trap-hop allocation "
                      f"(rollouts_trap_share): they predate it")
-  out = dict(command="python launch/trap_discovery.py " + " ".join(sys.argv[1:]),
+  out = dict(command="python launch/trap_discovery.py " + shlex.join(sys.argv[1:]),
              first_steps=_FIRST.value, runs=rows, spearman_with_half_gain_step=correlations(rows))
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value + ".json", "w") as f:

@@ -5,6 +5,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -39,7 +40,11 @@ def test_stats_and_cells():
   assert stats([]) is None and stats([0.5])["std"] == 0.0
   assert fmt(s) == "0.300 ± 0.141" and fmt(stats([0.5])) == "0.500" and fmt(None) == "-"
   assert fmt(0.05) == "+0.050"
-  assert fmt_welch(welch([1, 2, 3], [0, 0, 1])) == "+1.667 (t 2.5)" and fmt_welch(None) == "-"
+  assert fmt_welch(welch([1, 2, 3], [0, 0, 1])) == "+1.667 (t 2.5, df 3.2)"
+  assert fmt_welch(None) == "-"
+  # numpy scalars are numbers too (a bool is not)
+  assert stats(np.arange(3))["mean"] == 1.0 and stats([np.bool_(True)]) is None
+  assert welch(np.array([1, 2, 3], np.float32), [0, 0, 1])["t"] == pytest.approx(2.5)
 
 
 def _summary(d, method, seeds):
@@ -78,6 +83,13 @@ def test_arms_from_two_summaries(tmp_path):
   assert md.splitlines()[3].startswith("| hard: 8 slots | 2 | 0.310 ± 0.014 | 0.320 ± 0.028 |")
   with pytest.raises(ValueError, match="none of the arms"):
     rt.summarize(arms, "grpo", [2])
+  with pytest.raises(ValueError, match="must differ"):
+    rt.summarize([arms[0], dict(arms[1], label="base")], "base", [2])
+  # a run without archived records: the seeds column counts it, the EM cells say how many they have
+  os.remove(tmp_path / "b" / "runs" / "default/rollouts/trace_tree-seed1" / "metrics.jsonl.gz")
+  arms[1] = rt.load_arm(rt.parse_arm(f"{tmp_path / 'b'}:trace_tree:a | b"))
+  md = rt.markdown(rt.summarize(arms, "base", [2]), "base", [2])
+  assert "| a \\| b | 2 | 0.300 (n=1) | 0.315 ± 0.021 |" in md
   with pytest.raises(ValueError, match="DIR:METHOD:LABEL"):
     rt.parse_arm("results/x:grpo")
   with pytest.raises(ValueError, match="no dapo run"):
@@ -89,12 +101,18 @@ def test_script(tmp_path):
   _summary(tmp_path / "b", "trace_tree", [(0, [0.2, 0.3]), (1, [0.2, 0.35])])
   out = tmp_path / "res" / "table"
   p = subprocess.run([sys.executable, "launch/results_table.py", f"--arm={tmp_path / 'a'}:grpo:grpo",
-                      f"--arm={tmp_path / 'b'}:trace_tree:trace tree", "--eval_steps=2",
+                      f"--arm={tmp_path / 'b'}:trace_tree:trace tree's (x)", "--eval_steps=2",
                       f"--table_out={out}"], cwd=ROOT, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, text=True, timeout=120)
   assert p.returncode == 0, p.stdout[-2000:]
   res = json.loads((tmp_path / "res" / "table.json").read_text())
-  assert [a["label"] for a in res["arms"]] == ["grpo", "trace tree"]
+  assert [a["label"] for a in res["arms"]] == ["grpo", "trace tree's (x)"]
+  # the recorded command is a shell line that gives back the same arguments
+  args = shlex.split(res["command"])
+  assert args[:2] == ["python", "launch/results_table.py"]
+  assert f"--arm={tmp_path / 'b'}:trace_tree:trace tree's (x)" in args
   assert res["arms"][1]["vs_reference"]["em_step2"]["diff"] == pytest.approx(0.075)
-  assert "| trace tree | 2 | 0.325 ± 0.035 |" in (tmp_path / "res" / "table.md").read_text()
+  md = (tmp_path / "res" / "table.md").read_text()
+  assert md.startswith(f"Command:\n\n```sh\n{res['command']}\n```\n")
+  assert "| trace tree's (x) | 2 | 0.325 ± 0.035 |" in md
   assert os.path.getsize(str(out) + ".png") > 0

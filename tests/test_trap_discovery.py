@@ -16,20 +16,20 @@ td = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(td)
 
 
-def step(k, trap_share, reward_trap, leaves=128):
+def step(k, trap_share, reward_trap, leaves=128, pool=0.5):
   return dict(step=k, rollouts_trap_share=trap_share, reward_trap=reward_trap, leaves=leaves,
-              sampled_trap_share=trap_share, pool_trap_share=0.5)
+              sampled_trap_share=trap_share, pool_trap_share=pool)
 
 
 def test_early_trap_stats_reads_only_the_first_steps():
   recs = [{"step": -1, "sft_nll": 1.0}, {"step": 0, "eval_em": 0.2}, step(1, 0.5, 0.02),
-          step(2, 0.25, 0.0), step(3, 1.0, 1.0)]
+          step(2, 0.25, 0.0), step(3, 1.0, 1.0, pool=0.8)]
   out = td.early_trap_stats(recs, first_steps=2)
   assert out["steps"] == 2
   assert out["trap_rollouts_per_step"] == pytest.approx((64 + 32) / 2)
   assert out["trap_successes_per_step"] == pytest.approx(64 * 0.02 / 2)
   assert td.early_trap_stats([{"step": 1, "effective_ratio": 0.5}], 4) is None
-  assert out["run_pool_trap_share"] == pytest.approx(0.5)  # every step
+  assert out["run_pool_trap_share"] == pytest.approx(1.8 / 3)  # every step, not the first two
   assert out["final_slice_calib"] == []  # no step logs the reliability bins
 
 
@@ -63,7 +63,7 @@ def test_script_on_an_archive(tmp_path):
     with gzip.open(d / "metrics.jsonl.gz", "wt") as f:
       f.write("\n".join(json.dumps(r) for r in recs) + "\n")
     runs.append(dict(method="trace_tree", seed=seed, run=name, em_half_gain_step=half,
-                     sampled_trap_share=share))
+                     sampled_trap_share=None if share is None else share + 0.01))
   (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"runs": runs}))
   out = tmp_path / "res" / "td"
   p = subprocess.run([sys.executable, "launch/trap_discovery.py",
@@ -73,6 +73,7 @@ def test_script_on_an_archive(tmp_path):
   res = json.loads((tmp_path / "res" / "td.json").read_text())
   assert [r["seed"] for r in res["runs"]] == [0, 1, 2]
   # the run-long sampled trap share is compare.py's, carried from the summary
-  assert [r["run_sampled_trap_share"] for r in res["runs"]] == [0.3, 0.5, 0.6]
+  assert [r["run_sampled_trap_share"] for r in res["runs"]] == \
+      pytest.approx([0.31, 0.51, 0.61])  # not the records' 0.3, 0.5, 0.6
   assert res["spearman_with_half_gain_step"]["trap_rollouts_per_step"] == pytest.approx(-1.0)
   assert os.path.getsize(str(out) + ".png") > 0

@@ -7,12 +7,15 @@ freedom); `fmt` and `fmt_welch` write them as table cells.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 
 def _finite(vals) -> list[float]:
-  return [float(v) for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)
-          and np.isfinite(v)]
+  """The finite real numbers in vals (numpy scalars included; None, NaN and bools left out)."""
+  return [float(v) for v in vals if isinstance(v, numbers.Real)
+          and not isinstance(v, (bool, np.bool_)) and np.isfinite(v)]
 
 
 def stats(vals) -> dict | None:
@@ -53,5 +56,7 @@ def fmt(s, digits: int = 3) -> str:
 
 
 def fmt_welch(w, digits: int = 3) -> str:
-  """`+0.025 (t 3.3)`: a `welch` difference and its t, or `-`."""
-  return "-" if not w else f"{w['diff']:+.{digits}f} (t {w['t']:.1f})"
+  """`+0.025 (t 3.3, df 12.6)`: a `welch` difference, its t and degrees of freedom, or `-`. With
+  few seeds df is small and a given t means less: t 3 is p about 0.01 two-sided at df 12, 0.06
+  at df 3."""
+  return "-" if not w else f"{w['diff']:+.{digits}f} (t {w['t']:.1f}, df {w['df']:.1f})"
