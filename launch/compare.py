@@ -457,9 +457,9 @@ def markdown(aggs) -> str:
                 "evaluations after step 0 (the area under the learning curve); the share of the "
                 "step's sampled prompts with a trap hop, and their rollouts' success rate (means "
                 "over steps); vs grpo: the difference in mean EM over the run, Welch's t of it "
-                "over seeds and its degrees of freedom.", "",
+                "over seeds, its degrees of freedom and two-sided p.", "",
                 "| method | seeds | step of half the gain | per seed | mean EM over the run | "
-                "vs grpo (Welch t, df) | sampled trap share | trap success |",
+                "vs grpo (Welch t, df, p) | sampled trap share | trap success |",
                 "|---|---|---|---|---|---|---|---|"]
       for a in speed:
         per = ", ".join(str(x) for x in a.get("em_half_gain_step_values") or []) or "-"

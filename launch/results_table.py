@@ -108,7 +108,7 @@ def _em_cell(st, seeds: int) -> str:
 
 def markdown(rows: list[dict], reference: str, eval_steps: list[int]) -> str:
   head = (["arm", "seeds"] + [f"EM step {s}" for s in eval_steps] +
-          ["mean EM over the run", f"vs {reference} (Welch t, df)", "effective ratio",
+          ["mean EM over the run", f"vs {reference} (Welch t, df, p)", "effective ratio",
            "mixed groups / step", "generated tokens", "slice AUC",
            "step of half the EM gain, per seed"])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -163,8 +163,8 @@ def main(argv):
   with open(_OUT.value + ".md", "w") as f:
     f.write(f"Command:\n\n```sh\n{command}\n```\n\nMean ± sample std over seeds; vs {_REFERENCE.value}: the "
             "difference in mean held-out EM over the run (the evaluations after step 0), Welch's "
-            "t over seeds and its degrees of freedom (each arm against the same reference: with "
-            "many arms, one large t can be chance).\n\n" + md)
+            "t over seeds, its degrees of freedom and two-sided p (each arm against the same "
+            "reference: with many arms, one small p can be chance).\n\n" + md)
   with open(_OUT.value + ".json", "w") as f:
     json.dump(dict(command=command, regime=_REGIME.value, budget=_BUDGET.value,
                    reference=_REFERENCE.value, eval_steps=steps, arms=rows), f, indent=1)

@@ -211,7 +211,7 @@ def test_half_gain_step_and_trap_table():
   a = next(x for x in compare.aggregate(rows + grpo) if x["method"] == "trace_tree")
   w = a["welch_vs_grpo"]["em_curve_mean"]
   assert w["diff"] == pytest.approx(0.04) and w["n"] == [2, 3]
-  assert f"| 0.260 ± 0.014 | +0.040 (t {w['t']:.1f}, df {w['df']:.1f}) |" in \
+  assert f"| 0.260 ± 0.014 | +0.040 (t {w['t']:.1f}, df {w['df']:.1f}, p {w['p']:.2g}) |" in \
       compare.markdown([a])
 
 

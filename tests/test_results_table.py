@@ -27,6 +27,10 @@ def test_welch_by_hand():
   w = welch([1, 2, 3], [0, 0, 1])
   assert w["diff"] == pytest.approx(5 / 3) and w["se"] == pytest.approx(2 / 3)
   assert w["t"] == pytest.approx(2.5) and w["df"] == pytest.approx(3.2) and w["n"] == [3, 3]
+  # two-sided p of t at df: the reference implementation's unequal-variance t test
+  scipy_stats = pytest.importorskip("scipy.stats")
+  ref = scipy_stats.ttest_ind([1, 2, 3], [0, 0, 1], equal_var=False)
+  assert w["p"] == pytest.approx(float(ref.pvalue)) and w["t"] == pytest.approx(ref.statistic)
   assert welch([2, 1, None, float("nan")], [0, 1])["n"] == [2, 2]  # missing values dropped
   assert welch([1.0], [0.0, 1.0]) is None  # one seed: no spread to compare with
   assert welch([1.0, 1.0], [0.0, 0.0]) is None  # no spread on either side
@@ -40,7 +44,7 @@ def test_stats_and_cells():
   assert stats([]) is None and stats([0.5])["std"] == 0.0
   assert fmt(s) == "0.300 ± 0.141" and fmt(stats([0.5])) == "0.500" and fmt(None) == "-"
   assert fmt(0.05) == "+0.050"
-  assert fmt_welch(welch([1, 2, 3], [0, 0, 1])) == "+1.667 (t 2.5, df 3.2)"
+  assert fmt_welch(welch([1, 2, 3], [0, 0, 1])) == "+1.667 (t 2.5, df 3.2, p 0.082)"
   assert fmt_welch(None) == "-"
   # numpy scalars are numbers too (a bool is not)
   assert stats(np.arange(3))["mean"] == 1.0 and stats([np.bool_(True)]) is None

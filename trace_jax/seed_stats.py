@@ -1,8 +1,8 @@
-"""Statistics over seeds for the comparison scripts (numpy only: no jax is imported).
+"""Statistics over seeds for the comparison scripts (numpy and scipy: no jax is imported).
 
 `stats` gives mean, sample std, range and count of a set of per-seed values; `welch` compares two
-such sets (difference of means, its standard error, t and the Welch-Satterthwaite degrees of
-freedom); `fmt` and `fmt_welch` write them as table cells.
+such sets (difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom
+and the two-sided p); `fmt` and `fmt_welch` write them as table cells.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def stats(vals) -> dict | None:
 
 def welch(a, b) -> dict | None:
   """Welch's comparison of two sets of per-seed values: the difference of means (a - b), its
-  standard error from the two sample variances, t = diff / se and the Welch-Satterthwaite degrees
-  of freedom; None with fewer than two finite values on a side or no spread on either."""
+  standard error from the two sample variances, t = diff / se, the Welch-Satterthwaite degrees
+  of freedom and the two-sided p of t at those degrees; None with fewer than two finite values on
+  a side or no spread on either."""
+  from scipy import stats as st  # a dependency of jax
   a, b = np.asarray(_finite(a), np.float64), np.asarray(_finite(b), np.float64)
   if len(a) < 2 or len(b) < 2:
     return None
@@ -41,7 +43,9 @@ def welch(a, b) -> dict | None:
     return None
   df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
   diff = float(a.mean() - b.mean())
-  return dict(diff=diff, se=se, t=diff / se, df=float(df), n=[len(a), len(b)])
+  t = diff / se
+  return dict(diff=diff, se=se, t=t, df=float(df), p=float(2 * st.t.sf(abs(t), df)),
+              n=[len(a), len(b)])
 
 
 def fmt(s, digits: int = 3) -> str:
@@ -56,7 +60,10 @@ def fmt(s, digits: int = 3) -> str:
 
 
 def fmt_welch(w, digits: int = 3) -> str:
-  """`+0.025 (t 3.3, df 12.6)`: a `welch` difference, its t and degrees of freedom, or `-`. With
-  few seeds df is small and a given t means less: t 3 is p about 0.01 two-sided at df 12, 0.06
-  at df 3."""
-  return "-" if not w else f"{w['diff']:+.{digits}f} (t {w['t']:.1f}, df {w['df']:.1f})"
+  """`+0.025 (t 3.3, df 12.6, p 0.006)`: a `welch` difference, its t, degrees of freedom and
+  two-sided p, or `-`. With few seeds df is small and a given t means less: t 3 is p 0.011 at
+  df 12, 0.058 at df 3."""
+  if not w:
+    return "-"
+  return (f"{w['diff']:+.{digits}f} (t {w['t']:.1f}, df {w['df']:.1f}, "
+          f"p {w['p']:.2g})")
