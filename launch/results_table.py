@@ -137,9 +137,9 @@ def plot(arms: list[dict], path: str) -> None:
     steps = sorted({s for r in a["runs"] for s in r["curve"]})
     if not steps:
       continue
-    per = [[r["curve"][s] for r in a["runs"] if s in r["curve"]] for s in steps]
-    mean = np.array([np.mean(v) for v in per])
-    std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in per])
+    per = [stats([r["curve"].get(s) for r in a["runs"]]) for s in steps]
+    mean = np.array([st["mean"] for st in per])
+    std = np.array([st["std"] for st in per])
     label = a["label"].replace("$", r"\$")  # no mathtext in a label
     line, = ax.plot(steps, mean, marker="o", ms=3, label=f"{label} ({len(a['runs'])})")
     ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.08)
