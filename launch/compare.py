@@ -59,7 +59,7 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from trace_jax.seed_stats import fmt as _fmt, fmt_welch, stats as _stats, welch  # noqa: E402
+from trace_jax.seed_stats import fmt as _fmt, fmt_welch, mean as _mean, stats as _stats, welch  # noqa: E402
 
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
 MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
@@ -294,8 +294,7 @@ def carried_row(row, carried):
 
 
 def _mean_of(recs, key):
-  vals = [r[key] for r in recs if isinstance(r.get(key), (int, float)) and np.isfinite(r[key])]
-  return float(np.mean(vals)) if vals else None
+  return _mean([r.get(key) for r in recs])
 
 
 def run_row(row, summary, recs) -> dict:

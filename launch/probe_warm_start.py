@@ -35,6 +35,8 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from trace_jax.seed_stats import stats as _stats  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
 _PROMPTS = flags.DEFINE_integer("prompts", 256, "train prompts probed")
@@ -179,6 +181,12 @@ LEARNING_CURVE_PROMPTS = (16, 32, 64, 128)
 LEARNING_CURVE_VARIANTS = ("final_last", "final_last+prompt_mean")
 
 
+def _mean_std(vals) -> dict:
+  """Mean and sample std of the finite values (NaN for both when there are none)."""
+  s = _stats(vals)
+  return dict(mean=s["mean"], std=s["std"]) if s else dict(mean=float("nan"), std=float("nan"))
+
+
 def _variant_fits(graphdef, params, trees, split, offline_fit) -> dict:
   """The offline fit on each feature variant over `--splits` random prompt splits: per variant,
   the held-out root and anchor AUC and Brier skill (mean, std over splits and each split's)."""
@@ -203,9 +211,7 @@ def _variant_fits(graphdef, params, trees, split, offline_fit) -> dict:
         r = offline_fit([trees[i] for i in order[:split]], [trees[i] for i in order[split:]])
         per.append({f"{k}_{m}": r[f"heldout_{k}"][m] for k in ("root", "anchor", "root_single")
                     for m in ("auc", "brier_skill", "n")})
-      stats = {k: dict(mean=float(np.mean([p[k] for p in per])),
-                       std=float(np.std([p[k] for p in per], ddof=1)) if len(per) > 1 else 0.0)
-               for k in per[0]}
+      stats = {k: _mean_std([p[k] for p in per]) for k in per[0]}
       out["variants"][v] = dict(dim=int(next(iter(feats[v].values())).shape[-1]), **stats,
                                 per_split=per)
       print(v, json.dumps({k: round(s["mean"], 3) for k, s in stats.items()}), flush=True)
@@ -217,9 +223,7 @@ def _variant_fits(graphdef, params, trees, split, offline_fit) -> dict:
             r = offline_fit([trees[i] for i in order[:n_train]], [trees[i] for i in order[split:]])
             for k in aucs:
               aucs[k].append(r[f"heldout_{k}"]["auc"])
-          curve[str(n_train)] = {f"{k}_auc": dict(mean=float(np.mean(a)),
-                                                   std=float(np.std(a, ddof=1)) if len(a) > 1
-                                                   else 0.0) for k, a in aucs.items()}
+          curve[str(n_train)] = {f"{k}_auc": _mean_std(a) for k, a in aucs.items()}
           print(v, n_train, "train prompts", json.dumps(
               {k: round(x["mean"], 3) for k, x in curve[str(n_train)].items()}), flush=True)
         out["variants"][v]["learning_curve"] = curve

@@ -28,6 +28,7 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
 from trace_jax.metrics import read_jsonl  # noqa: E402
+from trace_jax.seed_stats import mean as _finite_mean  # noqa: E402
 
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
   """Means over RL steps 1..first_steps of the rollouts on trap-hop questions, of the successful
@@ -67,8 +68,7 @@ def final_slice_calib(recs: list[dict]) -> list[dict]:
 
 
 def _mean(recs, key):
-  vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
-  return float(np.mean(vals)) if vals else None
+  return _finite_mean([r.get(key) for r in recs])
 
 
 def spearman(x, y) -> float | None:

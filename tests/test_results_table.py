@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import fmt, fmt_welch, stats, welch
+from trace_jax.seed_stats import fmt, fmt_welch, mean, stats, welch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -49,6 +49,9 @@ def test_stats_and_cells():
   # numpy scalars are numbers too (a bool is not)
   assert stats(np.arange(3))["mean"] == 1.0 and stats([np.bool_(True)]) is None
   assert welch(np.array([1, 2, 3], np.float32), [0, 0, 1])["t"] == pytest.approx(2.5)
+  # `mean` filters the same way: what compare and trap_discovery average per-step records with
+  assert mean([0.2, None, float("nan"), 0.4, False, np.float32(0.6)]) == pytest.approx(0.4)
+  assert mean([None, float("nan")]) is None and mean([]) is None
 
 
 def _summary(d, method, seeds):

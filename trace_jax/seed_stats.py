@@ -1,6 +1,6 @@
 """Statistics over seeds for the comparison scripts (numpy and scipy: no jax is imported).
 
-`stats` gives mean, sample std, range and count of a set of per-seed values; `welch` compares two
+`mean` is the mean of the finite values; `stats` gives mean, sample std, range and count of a set of per-seed values; `welch` compares two
 such sets (difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom
 and the two-sided p); `fmt` and `fmt_welch` write them as table cells.
 """
@@ -16,6 +16,12 @@ def _finite(vals) -> list[float]:
   """The finite real numbers in vals (numpy scalars included; None, NaN and bools left out)."""
   return [float(v) for v in vals if isinstance(v, numbers.Real)
           and not isinstance(v, (bool, np.bool_)) and np.isfinite(v)]
+
+
+def mean(vals) -> float | None:
+  """The mean of the finite numbers in vals (the `stats` filter); None when there are none."""
+  vals = _finite(vals)
+  return float(np.mean(vals)) if vals else None
 
 
 def stats(vals) -> dict | None:
