@@ -30,6 +30,7 @@ sys.path.insert(0, _ROOT)
 from trace_jax.metrics import read_jsonl  # noqa: E402
 from trace_jax.seed_stats import mean as _finite_mean  # noqa: E402
 
+
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
   """Means over RL steps 1..first_steps of the rollouts on trap-hop questions, of the successful
   ones among them and of the success rates of trap-hop and other questions, with the run's mean
