@@ -43,11 +43,9 @@ tables, so that a later invocation can still carry them.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +57,8 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from trace_jax.seed_stats import fmt as _fmt, fmt_welch, mean as _mean, stats as _stats, welch  # noqa: E402
+from trace_jax.campaign import archive_dir, archive_run, finished_summary, run_records  # noqa: E402
+from trace_jax.seed_stats import fmt as _fmt, fmt_welch, mean_of, stats as _stats, welch  # noqa: E402
 
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
 MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
@@ -161,16 +160,6 @@ def train_args(config, workdir, overrides, warm_seed, extra) -> list[str]:
   return args + [f"--config.{x}" for x in extra]
 
 
-def finished_summary(runs_dir, archive, run) -> str | None:
-  """The summary.json of a finished run: its workdir's under `runs_dir`, else the archived copy
-  under `archive`; None when the run has not finished."""
-  for d in (runs_dir, archive):
-    path = os.path.join(d, run, "summary.json") if d else None
-    if path and os.path.exists(path):
-      return path
-  return None
-
-
 PREEMPTED = 75  # launch/train.py's exit status after a SIGTERM/SIGINT and its checkpoint
 
 
@@ -225,36 +214,6 @@ def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
 
 
 # ---- collecting ----------------------------------------------------------------------------------
-def _records(workdir, archived=None):
-  """Per-step records of a run: its workdir's metrics.jsonl, else the archived copy."""
-  from trace_jax.metrics import read_jsonl  # imported here: the launcher itself runs without jax
-  for path in (os.path.join(workdir, "metrics.jsonl"),
-               os.path.join(archived, "metrics.jsonl.gz") if archived else None):
-    if path and os.path.exists(path):
-      return read_jsonl(path)
-  return []
-
-
-def archive_run(workdir, archived) -> bool:
-  """Copies a finished run's summary.json and its metrics (gzipped) to `archived`, unless the
-  archived summary is already as new; False when the workdir has no summary (an archived-only
-  run)."""
-  src = os.path.join(workdir, "summary.json")
-  if not os.path.exists(src):
-    return False
-  dst = os.path.join(archived, "summary.json")
-  if os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src):
-    return True
-  os.makedirs(archived, exist_ok=True)
-  shutil.copyfile(src, dst)
-  metrics = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(metrics):
-    with open(metrics, "rb") as f, gzip.GzipFile(os.path.join(archived, "metrics.jsonl.gz"), "wb",
-                                                  mtime=0) as g:
-      shutil.copyfileobj(f, g)
-  return True
-
-
 def _summary_rows(path) -> list[dict]:
   """Every row an earlier summary.json at `path` holds: its tables' rows and the rows it kept for
   runs outside its own plan."""
@@ -293,10 +252,6 @@ def carried_row(row, carried):
   return None
 
 
-def _mean_of(recs, key):
-  return _mean([r.get(key) for r in recs])
-
-
 def run_row(row, summary, recs) -> dict:
   """The issue's schema plus the stage-1/stage-2 and predictor figures of one run."""
   steps = [r for r in recs if "effective_ratio" in r]
@@ -309,16 +264,16 @@ def run_row(row, summary, recs) -> dict:
              generated_tokens=summary.get("generated_tokens"), rollouts=summary.get("rollouts"),
              prefill_tokens=summary.get("prefill_tokens"), tool_calls=summary.get("tool_calls"),
              steps=summary.get("steps"), wall_seconds=summary.get("wall_seconds"),
-             stage1_mixed=_mean_of(steps, "stage1_mixed"),
-             continuations_at_roots=_mean_of(steps, "continuations_at_roots"),
-             anchor_depth_mean=_mean_of(steps, "anchor_depth_mean"),
+             stage1_mixed=mean_of(steps, "stage1_mixed"),
+             continuations_at_roots=mean_of(steps, "continuations_at_roots"),
+             anchor_depth_mean=mean_of(steps, "anchor_depth_mean"),
              root_auc_allocation=(pred.get("root") or {}).get("auc"),
              prefix_auc_allocation=(pred.get("prefix") or {}).get("auc"),
              slice_auc=slice_last.get("slice_auc"), slice_brier=slice_last.get("slice_brier"),
              slice_ece=slice_last.get("slice_ece"), slice_p_gap=slice_last.get("slice_p_gap"),
              slice_n=slice_last.get("slice_n"), run=row["run"])
-  out.update(sampled_trap_share=_mean_of(steps, "sampled_trap_share"),
-             reward_trap=_mean_of(steps, "reward_trap"))
+  out.update(sampled_trap_share=mean_of(steps, "sampled_trap_share"),
+             reward_trap=mean_of(steps, "reward_trap"))
   evals = [r for r in recs if "eval_em" in r]
   out["em_half_gain_step"] = half_gain_step(evals)
   out["em_curve_mean"] = curve_mean(evals)
@@ -610,7 +565,7 @@ def main(argv):
           "groups of 4 over the whole hop mix", flush=True)
   rows = plan(methods, _SEEDS.value, _BASELINE_SEEDS.value, regimes, budgets, keys)
   todo = sorted({r["run"] for r in rows})
-  archive = os.path.join(_OUT.value, "runs")
+  archive = archive_dir(_OUT.value)
   finished = lambda run: finished_summary(_RUNS.value, archive, run) is not None  # noqa: E731
   old_summary = os.path.join(_OUT.value, "summary.json")
   carried = {k: v for k, v in carried_rows(old_summary, todo).items() if not finished(k)}
@@ -641,9 +596,9 @@ def main(argv):
     if r["run"] not in summaries:
       summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value,
                                     archive)
-      archive_run(os.path.join(_RUNS.value, r["run"]), os.path.join(archive, r["run"]))
+      archive_run(os.path.join(_RUNS.value, r["run"]), archive_dir(_OUT.value, r["run"]))
     table_rows.append((r, None))
-  recs = {run: _records(os.path.join(_RUNS.value, run), os.path.join(archive, run))
+  recs = {run: run_records(os.path.join(_RUNS.value, run), archive_dir(_OUT.value, run))
           for run in summaries}
   base_prompts = int(base.rollout.prompts_per_step)
   table = [with_mixed_groups(old if old is not None else run_row(r, summaries[r["run"]],

@@ -28,7 +28,7 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-from trace_jax.metrics import read_jsonl  # noqa: E402
+from trace_jax.campaign import archived_metrics, archived_records, summary_rows  # noqa: E402
 
 IGNORED = ("seconds", "latency", "wall")
 SUMMARY_KEYS = ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts",
@@ -100,16 +100,15 @@ def compare_run(ref_recs: list[dict], new_recs: list[dict], ref_row: dict, new_r
 
 
 def _rows(out_dir: str) -> dict[tuple, dict]:
-  with open(os.path.join(out_dir, "summary.json")) as f:
-    runs = json.load(f)["runs"]
-  return {(r["run"], r["budget"]): r for r in runs}
+  return {(r["run"], r["budget"]): r for r in summary_rows(out_dir)}
 
 
 def _records(out_dir: str, run: str) -> list[dict]:
-  path = os.path.join(out_dir, "runs", run, "metrics.jsonl.gz")
-  if not os.path.exists(path):
-    raise SystemExit(f"{path}: no archived records (summarize the campaign with compare.py first)")
-  return read_jsonl(path)
+  recs = archived_records(out_dir, run)
+  if recs is None:
+    raise SystemExit(f"{archived_metrics(out_dir, run)}: no archived records (summarize the "
+                     "campaign with compare.py first)")
+  return recs
 
 
 def check(reference: str, rerun: str) -> list[dict]:

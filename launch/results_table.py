@@ -29,7 +29,7 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-from trace_jax.metrics import read_jsonl  # noqa: E402
+from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
 from trace_jax.seed_stats import fmt, fmt_welch, stats, welch  # noqa: E402
 
 RUN_KEYS = ("accuracy_final", "em_curve_mean", "effective_ratio", "mixed_groups",
@@ -45,26 +45,21 @@ def parse_arm(spec: str) -> dict:
   return dict(dir=parts[0], method=parts[1], label=parts[2])
 
 
-def eval_curve(path: str) -> dict[int, float]:
-  """{step: held-out EM} of one run's archived records; {} without them."""
-  if not os.path.exists(path):
-    return {}
-  return {int(r["step"]): float(r["eval_em"]) for r in read_jsonl(path)
+def eval_curve(recs: list[dict] | None) -> dict[int, float]:
+  """{step: held-out EM} of one run's per-step records; {} without them."""
+  return {int(r["step"]): float(r["eval_em"]) for r in recs or ()
           if isinstance(r.get("eval_em"), (int, float)) and r.get("step") is not None}
 
 
 def load_arm(arm: dict, regime: str = "default", budget: str = "rollouts") -> dict:
   """The arm's runs from its summary: per seed, the summary figures and the EM curve."""
-  path = os.path.join(arm["dir"], "summary.json")
-  with open(path) as f:
-    summary = json.load(f)
-  runs = sorted((r for r in summary["runs"] if r.get("method") == arm["method"]
+  runs = sorted((r for r in summary_rows(arm["dir"]) if r.get("method") == arm["method"]
                  and r.get("regime", "default") == regime
                  and r.get("budget", "rollouts") == budget), key=lambda r: r.get("seed", 0))
   if not runs:
-    raise ValueError(f"{path} has no {arm['method']} run in regime {regime}, budget {budget}")
+    raise ValueError(f"{arm['dir']} has no {arm['method']} run in regime {regime}, budget {budget}")
   for r in runs:
-    r["curve"] = eval_curve(os.path.join(arm["dir"], "runs", r["run"], "metrics.jsonl.gz"))
+    r["curve"] = eval_curve(archived_records(arm["dir"], r["run"]))
   return dict(arm, runs=runs)
 
 

@@ -27,8 +27,8 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-from trace_jax.metrics import read_jsonl  # noqa: E402
-from trace_jax.seed_stats import mean as _finite_mean  # noqa: E402
+from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
+from trace_jax.seed_stats import mean_of  # noqa: E402
 
 
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
@@ -46,11 +46,12 @@ def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
               trap_successes_per_step=float(np.mean(wins)),
               sampled_trap_share=float(np.mean([r["sampled_trap_share"] for r in steps])),
               pool_trap_share=float(np.mean([r["pool_trap_share"] for r in steps])),
-              reward_trap=_mean(steps, "reward_trap"), reward_other=_mean(steps, "reward_other"),
+              reward_trap=mean_of(steps, "reward_trap"),
+              reward_other=mean_of(steps, "reward_other"),
               # over the whole run: what stage 1 expected of its groups, and what it got
-              stage1_predicted_mixed=_mean(recs, "stage1_predicted_mixed"),
-              stage1_mixed=_mean(recs, "stage1_mixed"),
-              run_pool_trap_share=_mean(recs, "pool_trap_share"),
+              stage1_predicted_mixed=mean_of(recs, "stage1_predicted_mixed"),
+              stage1_mixed=mean_of(recs, "stage1_mixed"),
+              run_pool_trap_share=mean_of(recs, "pool_trap_share"),
               final_slice_calib=final_slice_calib(recs),
               steps=len(steps))
 
@@ -66,10 +67,6 @@ def final_slice_calib(recs: list[dict]) -> list[dict]:
                    outcome=r[f"slice_calib{i}_outcome"]) for i in bins
               if r[f"slice_calib{i}_n"]]
   return []
-
-
-def _mean(recs, key):
-  return _finite_mean([r.get(key) for r in recs])
 
 
 def spearman(x, y) -> float | None:
@@ -95,13 +92,11 @@ def spearman(x, y) -> float | None:
 def collect(summaries: list[str], first_steps: int) -> list[dict]:
   rows = []
   for d in summaries:
-    with open(os.path.join(d, "summary.json")) as f:
-      summary = json.load(f)
-    for run in summary["runs"]:
-      path = os.path.join(d, "runs", run["run"], "metrics.jsonl.gz")
-      if not os.path.exists(path):
+    for run in summary_rows(d):
+      recs = archived_records(d, run["run"])
+      if recs is None:
         continue
-      stats = early_trap_stats(read_jsonl(path), first_steps)
+      stats = early_trap_stats(recs, first_steps)
       if stats is None:
         continue
       rows.append(dict(summary=os.path.basename(os.path.normpath(d)), method=run["method"],

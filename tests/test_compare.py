@@ -129,19 +129,7 @@ def test_compare_smoke_and_resume(tmp_path):
       assert rows[m][k] == runs[m][k], (m, k)
 
 
-def test_archive_and_carried_rows(tmp_path):
-  work = tmp_path / "runs" / "default" / "rollouts" / "grpo-seed0"
-  work.mkdir(parents=True)
-  (work / "summary.json").write_text(json.dumps({"accuracy_final": 0.4}))
-  recs = [{"step": i, "effective_ratio": 0.5 + i / 10} for i in range(3)]
-  (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-  arch = tmp_path / "out" / "runs" / "default" / "rollouts" / "grpo-seed0"
-  assert compare.archive_run(str(work), str(arch))
-  assert not compare.archive_run(str(tmp_path / "nothing"), str(tmp_path / "x"))
-  import shutil
-  shutil.rmtree(tmp_path / "runs")
-  assert compare._records(str(work), str(arch)) == recs  # read back from the gzipped copy
-  assert compare._records(str(work)) == []
+def test_carried_rows(tmp_path):
   # An earlier summary's rows: a root-only method's row serves the other budget mode; a two-stage
   # method's row does not.
   old = {"runs": [dict(method="grpo", seed=0, regime="default", budget="rollouts",

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import fmt, fmt_welch, mean, stats, welch
+from trace_jax.seed_stats import fmt, fmt_welch, mean, mean_of, stats, welch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -52,6 +52,8 @@ def test_stats_and_cells():
   # `mean` filters the same way: what compare and trap_discovery average per-step records with
   assert mean([0.2, None, float("nan"), 0.4, False, np.float32(0.6)]) == pytest.approx(0.4)
   assert mean([None, float("nan")]) is None and mean([]) is None
+  recs = [{"x": 0.2}, {"y": 1.0}, {"x": None}, {"x": 0.6}]  # records without the key are left out
+  assert mean_of(recs, "x") == pytest.approx(0.4) and mean_of(recs, "z") is None
 
 
 def _summary(d, method, seeds):

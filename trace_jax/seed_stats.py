@@ -1,8 +1,9 @@
 """Statistics over seeds for the comparison scripts (numpy and scipy: no jax is imported).
 
-`mean` is the mean of the finite values; `stats` gives mean, sample std, range and count of a set of per-seed values; `welch` compares two
-such sets (difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom
-and the two-sided p); `fmt` and `fmt_welch` write them as table cells.
+`mean` is the mean of the finite values (`mean_of`: of one key over records); `stats` gives
+mean, sample std, range and count of a set of per-seed values; `welch` compares two such sets
+(difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom and the
+two-sided p); `fmt` and `fmt_welch` write them as table cells.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def mean(vals) -> float | None:
   """The mean of the finite numbers in vals (the `stats` filter); None when there are none."""
   vals = _finite(vals)
   return float(np.mean(vals)) if vals else None
+
+
+def mean_of(records, key) -> float | None:
+  """`mean` of one key over a list of records (dicts); records without the key are left out."""
+  return mean([r.get(key) for r in records])
 
 
 def stats(vals) -> dict | None:
