@@ -28,7 +28,7 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
 from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
-from trace_jax.seed_stats import mean_of  # noqa: E402
+from trace_jax.seed_stats import mean_of, spearman  # noqa: E402
 
 
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:
@@ -67,26 +67,6 @@ def final_slice_calib(recs: list[dict]) -> list[dict]:
                    outcome=r[f"slice_calib{i}_outcome"]) for i in bins
               if r[f"slice_calib{i}_n"]]
   return []
-
-
-def spearman(x, y) -> float | None:
-  """Rank correlation (average ranks for ties); None below 3 pairs or with a constant side."""
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  if len(x) < 3:
-    return None
-
-  def ranks(v):
-    order = np.argsort(v, kind="stable")
-    r = np.empty(len(v))
-    r[order] = np.arange(len(v), dtype=np.float64)
-    for u in np.unique(v):  # ties share their mean rank
-      r[v == u] = r[v == u].mean()
-    return r
-
-  rx, ry = ranks(x), ranks(y)
-  if rx.std() == 0 or ry.std() == 0:
-    return None
-  return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def collect(summaries: list[str], first_steps: int) -> list[dict]:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from trace_jax.seed_stats import spearman, spearman_test
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
     "trap_discovery", os.path.join(ROOT, "launch", "trap_discovery.py"))
@@ -44,10 +46,20 @@ def test_final_slice_calib_takes_the_last_logged_bins():
 
 
 def test_spearman():
-  assert td.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
-  assert td.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-  assert td.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # a tie
-  assert td.spearman([1, 2], [1, 2]) is None and td.spearman([1, 1, 1], [1, 2, 3]) is None
+  assert spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+  assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # a tie
+  assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+  with pytest.raises(ValueError, match="3 against 2"):
+    spearman([1, 2, 3], [1, 2])
+  # The test's p against scipy's own (no ties: the same t approximation).
+  from scipy import stats as st
+  x, y = [0.1, 0.5, 0.3, 0.9, 0.7, 0.2, 0.4], [1.0, 2.5, 2.0, 2.2, 3.0, 0.5, 1.1]
+  ref = st.spearmanr(x, y)
+  got = spearman_test(x, y)
+  assert got["rho"] == pytest.approx(ref.statistic) and got["p"] == pytest.approx(ref.pvalue)
+  assert got["n"] == 7 and spearman_test([1, 2, 3], [3, 2, 1])["p"] == 0.0
+  assert spearman_test([1, 2], [2, 1]) is None
 
 
 def test_script_on_an_archive(tmp_path):

@@ -3,7 +3,8 @@
 `mean` is the mean of the finite values (`mean_of`: of one key over records); `stats` gives
 mean, sample std, range and count of a set of per-seed values; `welch` compares two such sets
 (difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom and the
-two-sided p); `fmt` and `fmt_welch` write them as table cells.
+two-sided p); `spearman` and `spearman_test` rank-correlate two sets; `fmt` and `fmt_welch`
+write them as table cells.
 """
 
 from __future__ import annotations
@@ -58,6 +59,42 @@ def welch(a, b) -> dict | None:
   t = diff / se
   return dict(diff=diff, se=se, t=t, df=float(df), p=float(2 * st.t.sf(abs(t), df)),
               n=[len(a), len(b)])
+
+
+def _ranks(v):
+  order = np.argsort(v, kind="stable")
+  r = np.empty(len(v))
+  r[order] = np.arange(len(v), dtype=np.float64)
+  for u in np.unique(v):  # ties share their mean rank
+    r[v == u] = r[v == u].mean()
+  return r
+
+
+def spearman(x, y) -> float | None:
+  """Rank correlation (average ranks for ties); None below 3 pairs or with a constant side."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if len(x) != len(y):
+    raise ValueError(f"spearman: {len(x)} against {len(y)} values")
+  if len(x) < 3:
+    return None
+  rx, ry = _ranks(x), _ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return None
+  return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def spearman_test(x, y) -> dict | None:
+  """`spearman` with its two-sided p from t = rho sqrt((n - 2) / (1 - rho^2)) at n - 2 degrees
+  of freedom (the usual large-sample test; with ties it is approximate): {rho, p, n}."""
+  from scipy import stats as st
+  rho = spearman(x, y)
+  if rho is None:
+    return None
+  n = len(x)
+  if abs(rho) >= 1.0:
+    return dict(rho=rho, p=0.0, n=n)
+  t = rho * np.sqrt((n - 2) / (1.0 - rho * rho))
+  return dict(rho=rho, p=float(2 * st.t.sf(abs(t), n - 2)), n=n)
 
 
 def fmt(s, digits: int = 3) -> str:
