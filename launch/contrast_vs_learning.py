@@ -16,7 +16,13 @@ contrast to learning. Three readings of each:
   across arms   the arms' means (an arm: one method in one directory and budget mode, 2+ runs),
                 which asks whether an allocation with more contrast learns faster;
   within arms   each run's difference from its arm's mean, which asks whether a seed that happened
-                to get more contrast learned faster than its arm's other seeds.
+                to get more contrast learned faster than its arm's other seeds (its p counts one
+                degree of freedom fewer per arm).
+
+The p values take the runs as independent. They are not quite: arms that share a seed share
+whatever that seed draws in common (its prompts, and with the same stage 1 its first allocation),
+so a seed effect can show in several arms at once; read small p as an upper bound on the evidence.
+Up to 8 points (often the across-arm reading) the p is exact over all orderings.
 
   python launch/contrast_vs_learning.py \\
     --group="default world, 12 steps=results/compare_early,results/compare_early_hard" \\
@@ -81,9 +87,10 @@ def group_runs(dirs: list[str], first_steps: int) -> list[dict]:
     name = os.path.basename(os.path.normpath(d))
     for r in summary_rows(d):
       run = r.get("run") or f"{r.get('regime')}/{r.get('budget')}/{r['method']}-seed{r['seed']}"
-      if (name, run) in seen or not _finite(r.get(TARGET)):
+      key = (os.path.normpath(os.path.abspath(d)), run)
+      if key in seen or not _finite(r.get(TARGET)):
         continue
-      seen.add((name, run))
+      seen.add(key)
       parts = run.split("/")
       budget = parts[1] if len(parts) == 3 else r.get("budget", "rollouts")
       row = dict(dir=name, run=run, method=r["method"], seed=r.get("seed"),
@@ -113,7 +120,8 @@ def correlate(runs: list[dict]) -> dict:
       within_y += [r[TARGET] - my for r in rs]
     out[key] = dict(pooled=spearman_test([r[key] for r in ok], [r[TARGET] for r in ok]),
                     across_arms=spearman_test(arm_x, arm_y),
-                    within_arms=spearman_test(within_x, within_y), arms=len(multi))
+                    within_arms=spearman_test(within_x, within_y, fitted=len(multi)),
+                    arms=len(multi))
   return out
 
 
@@ -131,7 +139,9 @@ def markdown(groups: list[dict], command: str, first_steps: int) -> str:
            "the mean held-out EM over the run (the area under the learning curve); the first "
            f"steps are {_steps(first_steps)}. Pooled: every "
            "run; across arms: the arms' means (arms of 2+ runs); within arms: each run's "
-           "difference from its arm's mean.", ""]
+           "difference from its arm's mean (one degree of freedom fewer per arm). Up to 8 points "
+           "the p is exact. The p values take the runs as independent; arms that share a seed "
+           "share what that seed draws, so small p overstate the evidence.", ""]
   for g in groups:
     lines += [f"### {g['label']} ({len(g['runs'])} runs: {', '.join(g['dirs'])})", "",
               "| factor | pooled | across arms | within arms |", "|---|---|---|---|"]

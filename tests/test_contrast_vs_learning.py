@@ -56,6 +56,11 @@ def test_runs_arms_and_correlations(tmp_path):
   runs = cvl.group_runs([str(tmp_path / "a"), str(tmp_path / "b")], first_steps=1)
   assert len(runs) == 6  # grpo's run listed under two budgets is one run
   assert {r["arm"] for r in runs} == {"a:grpo:rollouts", "b:trace_tree:rollouts"}
+  # The same directory named twice adds nothing; a two-stage method's token-budget run is an arm
+  # of its own.
+  assert len(cvl.group_runs([str(tmp_path / "a"), str(tmp_path / "a") + "/"], 1)) == 3
+  _campaign(tmp_path / "t", [("trace_tree", 0, "tokens", 0.3, [0.5])])
+  assert [r["arm"] for r in cvl.group_runs([str(tmp_path / "t")], 1)] == ["t:trace_tree:tokens"]
   r0 = next(r for r in runs if r["arm"] == "a:grpo:rollouts" and r["seed"] == 2)
   assert r0["early_mixed_groups"] == pytest.approx(16 * 0.75)  # step 1 only
   assert r0["early_trap_share"] == pytest.approx(0.5)
@@ -63,12 +68,17 @@ def test_runs_arms_and_correlations(tmp_path):
       pytest.approx(16 * 0.625)
   c = cvl.correlate(runs)
   assert c["early_mixed_groups"]["within_arms"]["rho"] == pytest.approx(1.0)
+  assert c["early_mixed_groups"]["within_arms"]["n"] == 6  # 6 points: the exact p
   assert c["early_mixed_groups"]["across_arms"] is None  # two arms: below 3 points
   assert c["early_mixed_groups"]["pooled"]["rho"] < 0  # more contrast, less EM, across arms
   assert c["early_mixed_groups"]["arms"] == 2
   assert c["early_trap_share"]["within_arms"] is None  # constant
   md = cvl.markdown([dict(label="g", dirs=["a", "b"], runs=runs, correlations=c)], "cmd", 1)
-  assert "| mixed groups / step, first steps | -" in md and "+1.00 (p 0, n 6) |" in md
+  # 6 residual points in perfect order: of the 720 orderings of y, 4 reach |rho| = 1 (the order
+  # and its reverse, each with y's two tied zeros either way round); the cell shows that p.
+  p6 = c["early_mixed_groups"]["within_arms"]["p"]
+  assert p6 == pytest.approx(4 / 720)
+  assert "| mixed groups / step, first steps | -" in md and f"+1.00 (p {p6:.2g}, n 6) |" in md
 
 
 def test_command_writes_the_files(tmp_path):
@@ -89,3 +99,8 @@ def test_command_writes_the_files(tmp_path):
                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=120)
   assert few.returncode != 0 and "no campaign summary" in few.stdout
+  _campaign(tmp_path / "two", [("grpo", s, "rollouts", 0.3, [0.5]) for s in range(2)])
+  two = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+                        f"--group=x={tmp_path / 'two'}", f"--out={out}"], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+  assert two.returncode != 0 and "2 runs with a mean EM over the run; need at least 3" in two.stdout

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from trace_jax.seed_stats import spearman, spearman_test
@@ -52,13 +53,27 @@ def test_spearman():
   assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
   with pytest.raises(ValueError, match="3 against 2"):
     spearman([1, 2, 3], [1, 2])
-  # The test's p against scipy's own (no ties: the same t approximation).
+  # Beyond 8 pairs the p is the t approximation, as scipy's own (no ties).
   from scipy import stats as st
-  x, y = [0.1, 0.5, 0.3, 0.9, 0.7, 0.2, 0.4], [1.0, 2.5, 2.0, 2.2, 3.0, 0.5, 1.1]
+  x = [0.1, 0.5, 0.3, 0.9, 0.7, 0.2, 0.4, 0.8, 0.05, 0.6]
+  y = [1.0, 2.5, 2.0, 2.2, 3.0, 0.5, 1.1, 1.9, 0.7, 0.2]
   ref = st.spearmanr(x, y)
   got = spearman_test(x, y)
   assert got["rho"] == pytest.approx(ref.statistic) and got["p"] == pytest.approx(ref.pvalue)
-  assert got["n"] == 7 and spearman_test([1, 2, 3], [3, 2, 1])["p"] == 0.0
+  assert got["n"] == 10 and got["df"] == 8
+  # Residuals from 3 group means: 3 fewer degrees of freedom, a larger p for the same rho.
+  fewer = spearman_test(x, y, fitted=3)
+  assert fewer["df"] == 5 and fewer["p"] > got["p"] and fewer["rho"] == got["rho"]
+  assert spearman_test(x[:9], y[:9], fitted=7) is None  # no degree of freedom left
+  # Up to 8 pairs the p is exact: a perfect order of 3 is 2 of the 6 orderings (|rho| = 1).
+  assert spearman_test([1, 2, 3], [3, 2, 1])["p"] == pytest.approx(2 / 6)
+  assert spearman_test([1, 2, 3, 4], [1, 2, 3, 4])["p"] == pytest.approx(2 / 24)
+  small = spearman_test(x[:7], y[:7])
+  assert small["df"] is None and small["rho"] == pytest.approx(st.spearmanr(x[:7], y[:7]).statistic)
+  rng = np.random.default_rng(0)  # the exact p against a Monte Carlo estimate of it
+  rx = np.argsort(np.argsort(x[:7]))
+  sims = [abs(spearman(rx, rng.permutation(7))) >= abs(small["rho"]) - 1e-9 for _ in range(4000)]
+  assert small["p"] == pytest.approx(np.mean(sims), abs=0.03)
   assert spearman_test([1, 2], [2, 1]) is None
 
 

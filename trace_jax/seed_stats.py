@@ -83,18 +83,38 @@ def spearman(x, y) -> float | None:
   return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def spearman_test(x, y) -> dict | None:
-  """`spearman` with its two-sided p from t = rho sqrt((n - 2) / (1 - rho^2)) at n - 2 degrees
-  of freedom (the usual large-sample test; with ties it is approximate): {rho, p, n}."""
+EXACT_SPEARMAN_N = 8  # up to this many pairs the p is exact (every permutation, 8! = 40,320)
+
+
+def spearman_test(x, y, fitted: int = 0) -> dict | None:
+  """`spearman` with its two-sided p: {rho, p, n, df}. Up to `EXACT_SPEARMAN_N` pairs the p is
+  exact (the share of all orderings of y whose |rho| reaches the observed one; df None); beyond,
+  it is the usual t = rho sqrt(df / (1 - rho^2)) at df = n - 2 - `fitted` degrees of freedom,
+  where `fitted` counts means already taken out of the values (one per group when they are
+  residuals from group means). With ties the t form is approximate."""
+  import itertools
+
   from scipy import stats as st
   rho = spearman(x, y)
   if rho is None:
     return None
   n = len(x)
+  if n <= EXACT_SPEARMAN_N:
+    rx, ry = _ranks(np.asarray(x, np.float64)), _ranks(np.asarray(y, np.float64))
+    rx = rx - rx.mean()
+    obs = abs(float(rx @ (ry - ry.mean())))
+    hits = total = 0
+    for perm in itertools.permutations(ry):
+      total += 1
+      hits += abs(float(rx @ (np.asarray(perm) - ry.mean()))) >= obs - 1e-9
+    return dict(rho=rho, p=hits / total, n=n, df=None)
+  df = n - 2 - fitted
+  if df < 1:
+    return None
   if abs(rho) >= 1.0:
-    return dict(rho=rho, p=0.0, n=n)
-  t = rho * np.sqrt((n - 2) / (1.0 - rho * rho))
-  return dict(rho=rho, p=float(2 * st.t.sf(abs(t), n - 2)), n=n)
+    return dict(rho=rho, p=0.0, n=n, df=df)
+  t = rho * np.sqrt(df / (1.0 - rho * rho))
+  return dict(rho=rho, p=float(2 * st.t.sf(abs(t), df)), n=n, df=df)
 
 
 def fmt(s, digits: int = 3) -> str:
