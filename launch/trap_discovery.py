@@ -70,17 +70,22 @@ def final_slice_calib(recs: list[dict]) -> list[dict]:
 
 
 def collect(summaries: list[str], first_steps: int) -> list[dict]:
-  rows = []
+  """One row per archived run (a run listed under both budget modes, as a method without a stage
+  2 is, counted once), named by its summary directory and run path."""
+  rows, seen = [], set()
   for d in summaries:
     for run in summary_rows(d):
+      if (d, run["run"]) in seen:
+        continue
+      seen.add((d, run["run"]))
       recs = archived_records(d, run["run"])
       if recs is None:
         continue
       stats = early_trap_stats(recs, first_steps)
       if stats is None:
         continue
-      rows.append(dict(summary=os.path.basename(os.path.normpath(d)), method=run["method"],
-                       seed=run["seed"], em_half_gain_step=run.get("em_half_gain_step"),
+      rows.append(dict(summary=os.path.basename(os.path.normpath(d)), run=run["run"],
+                       method=run["method"], seed=run["seed"], em_half_gain_step=run.get("em_half_gain_step"),
                        accuracy_final=run.get("accuracy_final"),
                        effective_ratio=run.get("effective_ratio"),
                        run_sampled_trap_share=run.get("sampled_trap_share"), **stats))

@@ -91,6 +91,8 @@ def test_script_on_an_archive(tmp_path):
       f.write("\n".join(json.dumps(r) for r in recs) + "\n")
     runs.append(dict(method="trace_tree", seed=seed, run=name, em_half_gain_step=half,
                      sampled_trap_share=None if share is None else share + 0.01))
+  # A run listed under a second budget mode (as grpo's and dapo's are) is read once.
+  runs.append(dict(runs[0], budget="tokens"))
   (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"runs": runs}))
   out = tmp_path / "res" / "td"
   p = subprocess.run([sys.executable, "launch/trap_discovery.py",
@@ -99,6 +101,7 @@ def test_script_on_an_archive(tmp_path):
   assert p.returncode == 0, p.stdout[-2000:]
   res = json.loads((tmp_path / "res" / "td.json").read_text())
   assert [r["seed"] for r in res["runs"]] == [0, 1, 2]
+  assert res["runs"][0]["run"] == "default/rollouts/trace_tree-seed0"
   # the run-long sampled trap share is compare.py's, carried from the summary
   assert [r["run_sampled_trap_share"] for r in res["runs"]] == \
       pytest.approx([0.31, 0.51, 0.61])  # not the records' 0.3, 0.5, 0.6
