@@ -45,7 +45,7 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
+from trace_jax.campaign import archived_records, unique_runs  # noqa: E402
 from trace_jax.seed_stats import spearman_test  # noqa: E402
 
 TARGET = "em_curve_mean"
@@ -82,15 +82,13 @@ def group_runs(dirs: list[str], first_steps: int) -> list[dict]:
   """One entry per run of the directories (a run listed under two budget modes counted once),
   with its arm (`<dir>:<method>:<budget its run used>`); runs without a mean EM over the run are
   left out. The first steps' figures come from the run's archived records."""
-  out, seen = [], set()
-  for d in dirs:
-    name = os.path.basename(os.path.normpath(d))
-    for r in summary_rows(d):
+  out = []
+  for d in dict.fromkeys(os.path.normpath(os.path.abspath(d)) for d in dirs):  # each dir once
+    name = os.path.basename(d)
+    for r in unique_runs(d):
       run = r.get("run") or f"{r.get('regime')}/{r.get('budget')}/{r['method']}-seed{r['seed']}"
-      key = (os.path.normpath(os.path.abspath(d)), run)
-      if key in seen or not _finite(r.get(TARGET)):
+      if not _finite(r.get(TARGET)):
         continue
-      seen.add(key)
       parts = run.split("/")
       budget = parts[1] if len(parts) == 3 else r.get("budget", "rollouts")
       row = dict(dir=name, run=run, method=r["method"], seed=r.get("seed"),

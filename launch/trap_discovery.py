@@ -27,7 +27,7 @@ from absl import app, flags
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
-from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
+from trace_jax.campaign import archived_records, unique_runs  # noqa: E402
 from trace_jax.seed_stats import mean_of, spearman  # noqa: E402
 
 
@@ -72,12 +72,9 @@ def final_slice_calib(recs: list[dict]) -> list[dict]:
 def collect(summaries: list[str], first_steps: int) -> list[dict]:
   """One row per archived run (a run listed under both budget modes, as a method without a stage
   2 is, counted once), named by its summary directory and run path."""
-  rows, seen = [], set()
+  rows = []
   for d in summaries:
-    for run in summary_rows(d):
-      if (d, run["run"]) in seen:
-        continue
-      seen.add((d, run["run"]))
+    for run in unique_runs(d):
       recs = archived_records(d, run["run"])
       if recs is None:
         continue

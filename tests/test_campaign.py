@@ -64,3 +64,7 @@ def test_summary_rows_and_missing_summary(tmp_path):
   rows = [dict(method="grpo", seed=0, run=RUN, budget="rollouts")]
   (tmp_path / "summary.json").write_text(json.dumps({"runs": rows, "aggregates": []}))
   assert campaign.summary_rows(str(tmp_path)) == rows
+  # A run listed under both budget modes is one run; rows naming no run are all kept.
+  both = rows + [dict(rows[0], budget="tokens"), {"method": "old"}, {"method": "old"}]
+  (tmp_path / "summary.json").write_text(json.dumps({"runs": both}))
+  assert campaign.unique_runs(str(tmp_path)) == [rows[0], {"method": "old"}, {"method": "old"}]

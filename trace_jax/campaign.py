@@ -50,6 +50,20 @@ def summary_rows(out_dir: str) -> list[dict]:
   return list(read_summary(out_dir)["runs"])
 
 
+def unique_runs(out_dir: str) -> list[dict]:
+  """The summary's rows, one per run: a method without a stage 2 serves both budget modes with one
+  run and is listed under each; its first row stands for it. Rows that name no run (carried
+  from summaries older than the archive) are kept as they are."""
+  seen, out = set(), []
+  for r in summary_rows(out_dir):
+    run = r.get("run")
+    if run is not None and run in seen:
+      continue
+    seen.add(run)
+    out.append(r)
+  return out
+
+
 def archived_metrics(out_dir: str, run: str) -> str:
   """Path of one run's archived per-step records (which may not exist)."""
   return os.path.join(archive_dir(out_dir, run), ARCHIVED_METRICS)
