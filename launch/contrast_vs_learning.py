@@ -34,6 +34,7 @@ Writes --out.json (the command, per group the runs and the correlations), --out.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shlex
@@ -46,7 +47,7 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
 from trace_jax.campaign import archived_records, unique_runs  # noqa: E402
-from trace_jax.seed_stats import spearman_test  # noqa: E402
+from trace_jax.seed_stats import is_finite, spearman_test  # noqa: E402
 
 TARGET = "em_curve_mean"
 FACTORS = (("mixed_groups", "mixed groups / step, whole run"),
@@ -64,38 +65,44 @@ def parse_group(spec: str) -> tuple[str, list[str]]:
   return label, dirs
 
 
-def _finite(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
-
-
 def early(recs: list[dict] | None, prompts: float | None, first_steps: int) -> dict:
   """Mixed groups per step (effective ratio x prompts) and the sampled trap-hop share, each the
   mean over the steps 1..first_steps that log it; None where no step does."""
   steps = [r for r in recs or () if 1 <= (r.get("step") or 0) <= first_steps]
-  ers = [r["effective_ratio"] for r in steps if _finite(r.get("effective_ratio"))]
-  trap = [r["sampled_trap_share"] for r in steps if _finite(r.get("sampled_trap_share"))]
+  ers = [r["effective_ratio"] for r in steps if is_finite(r.get("effective_ratio"))]
+  trap = [r["sampled_trap_share"] for r in steps if is_finite(r.get("sampled_trap_share"))]
   return dict(early_mixed_groups=float(np.mean(ers)) * prompts if ers and prompts else None,
               early_trap_share=float(np.mean(trap)) if trap else None)
 
 
-def group_runs(dirs: list[str], first_steps: int) -> list[dict]:
+def selected(name: str, run: str, method: str, methods=(), exclude=()) -> bool:
+  """Whether a run is read: its method among `methods` (all when empty) and `<dir name>/<run>`
+  (e.g. `compare_early/default/rollouts/trace-seed3`) matching none of the `exclude` patterns
+  (shell wildcards: `*/trace*-seed[34]`)."""
+  if methods and method not in methods:
+    return False
+  return not any(fnmatch.fnmatchcase(f"{name}/{run}", pat) for pat in exclude)
+
+
+def group_runs(dirs: list[str], first_steps: int, methods=(), exclude=()) -> list[dict]:
   """One entry per run of the directories (a run listed under two budget modes counted once),
-  with its arm (`<dir>:<method>:<budget its run used>`); runs without a mean EM over the run are
-  left out. The first steps' figures come from the run's archived records."""
+  with its arm (`<dir>:<method>:<budget its run used>`); runs without a mean EM over the run, and
+  runs `selected` leaves out, are left out. The first steps' figures come from the run's archived
+  records."""
   out = []
   for d in dict.fromkeys(os.path.normpath(os.path.abspath(d)) for d in dirs):  # each dir once
     name = os.path.basename(d)
     for r in unique_runs(d):
       run = r.get("run") or f"{r.get('regime')}/{r.get('budget')}/{r['method']}-seed{r['seed']}"
-      if not _finite(r.get(TARGET)):
+      if not is_finite(r.get(TARGET)) or not selected(name, run, r["method"], methods, exclude):
         continue
       parts = run.split("/")
       budget = parts[1] if len(parts) == 3 else r.get("budget", "rollouts")
       row = dict(dir=name, run=run, method=r["method"], seed=r.get("seed"),
                  arm=f"{name}:{r['method']}:{budget}", **{TARGET: float(r[TARGET])},
-                 **{k: (float(r[k]) if _finite(r.get(k)) else None) for k, _ in FACTORS})
+                 **{k: (float(r[k]) if is_finite(r.get(k)) else None) for k, _ in FACTORS})
       prompts = r.get("prompts_per_step")
-      row.update(early(archived_records(d, run), float(prompts) if _finite(prompts) else None,
+      row.update(early(archived_records(d, run), float(prompts) if is_finite(prompts) else None,
                        first_steps))
       out.append(row)
   return out
@@ -187,7 +194,7 @@ def main(argv):
   groups = []
   for spec in _GROUPS.value:
     label, dirs = parse_group(spec)
-    runs = group_runs(dirs, _FIRST.value)
+    runs = group_runs(dirs, _FIRST.value, _METHODS.value or (), _EXCLUDE.value)
     if len(runs) < 3:
       raise SystemExit(f"group {label!r}: {len(runs)} runs with a mean EM over the run; "
                        "need at least 3")
@@ -209,5 +216,9 @@ if __name__ == "__main__":
   _FIRST = flags.DEFINE_integer("first_steps", 1, "RL steps 1..first_steps are the 'first "
                                 "steps' (1: the one step sampled before any update, so its "
                                 "contrast is allocation and chance, not learning)")
+  _METHODS = flags.DEFINE_list("methods", [], "read only these methods' runs (default: all)")
+  _EXCLUDE = flags.DEFINE_multi_string("exclude", [], "leave out the runs whose "
+                                       "`<dir name>/<run>` matches this shell pattern, e.g. "
+                                       "'*/trace*-seed[34]'")
   _OUT = flags.DEFINE_string("out", "results/contrast_vs_learning", "output path without suffix")
   app.run(main)

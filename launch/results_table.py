@@ -10,10 +10,11 @@ Each `--arm` is `DIR:METHOD:LABEL`: the runs of METHOD (in `--regime` and `--bud
 `DIR/summary.json`, shown as LABEL; `--reference` names the label the others are compared with.
 The held-out EM at `--eval_steps` comes from each run's archived records
 (`DIR/runs/<run>/metrics.jsonl.gz`); a run without them leaves those cells to the others.
-Writes `<table_out>.md` (its command, then the table), `<table_out>.json` (per arm: the per-seed values, their
-mean and spread, and the Welch comparisons with the reference for the mean EM over the run, the
-final EM, the effective ratio and the EM at each listed step) and `<table_out>.png` (mean held-out
-EM by step with a band of one std over seeds, one line per arm).
+Writes `<table_out>.md` (its command, then the table), `<table_out>.json` (per arm: the per-seed
+values, their mean and spread, the Welch comparisons with the reference for the mean EM over the
+run, the final EM, the effective ratio and the EM at each listed step, and the arm's wasted groups
+as a share of the reference's, (1 − ER) / (1 − ER_ref)) and `<table_out>.png` (mean held-out EM by
+step with a band of one std over seeds, one line per arm).
 """
 
 from __future__ import annotations
@@ -86,11 +87,22 @@ def summarize(arms: list[dict], reference: str, eval_steps: list[int]) -> list[d
                stats={k: stats(values(a, k)) for k in RUN_KEYS},
                em_at_step={s: stats(values(a, s)) for s in eval_steps})
     if a is not ref:
+      row["wasted_vs_reference"] = wasted_ratio(row["stats"]["effective_ratio"],
+                                                stats(values(ref, "effective_ratio")))
       row["vs_reference"] = {k: welch(values(a, k), values(ref, k)) for k in COMPARED}
       row["vs_reference"].update({f"em_step{s}": welch(values(a, s), values(ref, s))
                                   for s in eval_steps})
     out.append(row)
   return out
+
+
+def wasted_ratio(er, ref_er) -> float | None:
+  """The arm's wasted groups as a share of the reference's: (1 − ER) / (1 − ER_ref), from the
+  two arms' mean effective ratios (the issue's low-contrast target is at most 0.5); None without
+  both, or when the reference wastes nothing."""
+  if er is None or ref_er is None or ref_er["mean"] >= 1.0:
+    return None
+  return (1.0 - er["mean"]) / (1.0 - ref_er["mean"])
 
 
 def _em_cell(st, seeds: int) -> str:
@@ -104,7 +116,7 @@ def _em_cell(st, seeds: int) -> str:
 def markdown(rows: list[dict], reference: str, eval_steps: list[int]) -> str:
   head = (["arm", "seeds"] + [f"EM step {s}" for s in eval_steps] +
           ["mean EM over the run", f"vs {reference} (Welch t, df, p)", "effective ratio",
-           "mixed groups / step", "generated tokens", "slice AUC",
+           f"1 − ER / {reference}'s", "mixed groups / step", "generated tokens", "slice AUC",
            "step of half the EM gain, per seed"])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
@@ -115,7 +127,9 @@ def markdown(rows: list[dict], reference: str, eval_steps: list[int]) -> str:
              [_em_cell(r["em_at_step"][s], n) for s in eval_steps] +
              [fmt(st["em_curve_mean"]),
               fmt_welch((r.get("vs_reference") or {}).get("em_curve_mean")),
-              fmt(st["effective_ratio"]), fmt(st["mixed_groups"], 1),
+              fmt(st["effective_ratio"]),
+              "-" if r.get("wasted_vs_reference") is None else f"{r['wasted_vs_reference']:.2f}",
+              fmt(st["mixed_groups"], 1),
               "-" if tok is None else f"{tok['mean'] / 1e3:.0f}k", fmt(st["slice_auc"]),
               ", ".join("-" if x is None else str(x) for x in r["half_gain_steps"])])
     lines.append("| " + " | ".join(cells) + " |")

@@ -61,6 +61,13 @@ def test_runs_arms_and_correlations(tmp_path):
   assert len(cvl.group_runs([str(tmp_path / "a"), str(tmp_path / "a") + "/"], 1)) == 3
   _campaign(tmp_path / "t", [("trace_tree", 0, "tokens", 0.3, [0.5])])
   assert [r["arm"] for r in cvl.group_runs([str(tmp_path / "t")], 1)] == ["t:trace_tree:tokens"]
+  # Filters: by method, and by shell pattern on `<dir name>/<run>`
+  ab = [str(tmp_path / "a"), str(tmp_path / "b")]
+  assert {r["method"] for r in cvl.group_runs(ab, 1, methods=["grpo"])} == {"grpo"}
+  kept = cvl.group_runs(ab, 1, exclude=["b/*/trace_tree-seed[12]", "a/*-seed0"])
+  assert sorted((r["dir"], r["seed"]) for r in kept) == [("a", 1), ("a", 2), ("b", 0)]
+  assert len(cvl.group_runs(ab, 1, exclude=["*/trace*"])) == 3  # grpo's three
+  assert len(cvl.group_runs(ab, 1, methods=["grpo"], exclude=["a/*"])) == 0
   r0 = next(r for r in runs if r["arm"] == "a:grpo:rollouts" and r["seed"] == 2)
   assert r0["early_mixed_groups"] == pytest.approx(16 * 0.75)  # step 1 only
   assert r0["early_trap_share"] == pytest.approx(0.5)
@@ -94,6 +101,14 @@ def test_command_writes_the_files(tmp_path):
   assert res["first_steps"] == 1 and len(res["groups"][0]["runs"]) == 4
   assert res["groups"][0]["correlations"]["mixed_groups"]["pooled"]["rho"] == pytest.approx(1.0)
   assert os.path.getsize(f"{out}.png") > 0 and "### one world (4 runs" in open(f"{out}.md").read()
+  three = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+                          f"--group=one world={tmp_path / 'a'}", f"--out={out}",
+                          "--exclude=*-seed3", "--methods=grpo,dapo"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+  assert three.returncode == 0, three.stdout[-2000:]
+  res = json.load(open(f"{out}.json"))
+  assert [r["seed"] for r in res["groups"][0]["runs"]] == [0, 1, 2]
+  assert "'--exclude=*-seed3'" in res["command"] and "--methods=grpo,dapo" in res["command"]
   few = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
                         f"--group=x={tmp_path / 'a'},{tmp_path / 'missing'}", f"--out={out}"],
                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import fmt, fmt_welch, mean, mean_of, stats, welch
+from trace_jax.seed_stats import fmt, fmt_welch, is_finite, mean, mean_of, stats, welch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -52,6 +52,9 @@ def test_stats_and_cells():
   # `mean` filters the same way: what compare and trap_discovery average per-step records with
   assert mean([0.2, None, float("nan"), 0.4, False, np.float32(0.6)]) == pytest.approx(0.4)
   assert mean([None, float("nan")]) is None and mean([]) is None
+  assert is_finite(1) and is_finite(np.float32(0.5)) and is_finite(-2.5)
+  assert not any(is_finite(v) for v in (None, True, np.bool_(False), float("nan"),
+                                        float("inf"), np.float64(-np.inf), "0.5", [0.5]))
   recs = [{"x": 0.2}, {"y": 1.0}, {"x": None}, {"x": 0.6}]  # records without the key are left out
   assert mean_of(recs, "x") == pytest.approx(0.4) and mean_of(recs, "z") is None
 
@@ -90,6 +93,15 @@ def test_arms_from_two_summaries(tmp_path):
   assert hard["vs_reference"]["em_step4"]["se"] == pytest.approx(0.02)
   md = rt.markdown(rows, "base", [2, 4])
   assert md.splitlines()[3].startswith("| hard: 8 slots | 2 | 0.310 ± 0.014 | 0.320 ± 0.028 |")
+  # wasted groups as a share of the reference's (both arms at ER 0.5 here): 1, and none for the
+  # reference itself
+  assert hard["wasted_vs_reference"] == pytest.approx(1.0) and "wasted_vs_reference" not in base
+  assert "1 − ER / base's" in md.splitlines()[0]
+  assert "| 0.500 ± 0.000 | 1.00 | 8.0 ± 0.0 |" in md.splitlines()[3]
+  assert "| 0.500 ± 0.000 | - | 8.0 ± 0.0 |" in md.splitlines()[2]
+  assert rt.wasted_ratio({"mean": 0.75}, {"mean": 0.5}) == pytest.approx(0.5)  # the target
+  assert rt.wasted_ratio(None, {"mean": 0.5}) is None
+  assert rt.wasted_ratio({"mean": 0.75}, {"mean": 1.0}) is None  # nothing wasted to compare
   with pytest.raises(ValueError, match="none of the arms"):
     rt.summarize(arms, "grpo", [2])
   with pytest.raises(ValueError, match="must differ"):

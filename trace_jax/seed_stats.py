@@ -1,10 +1,10 @@
 """Statistics over seeds for the comparison scripts (numpy and scipy: no jax is imported).
 
-`mean` is the mean of the finite values (`mean_of`: of one key over records); `stats` gives
-mean, sample std, range and count of a set of per-seed values; `welch` compares two such sets
-(difference of means, its standard error, t, the Welch-Satterthwaite degrees of freedom and the
-two-sided p); `spearman` and `spearman_test` rank-correlate two sets; `fmt` and `fmt_welch`
-write them as table cells.
+`is_finite` is the filter every figure here applies; `mean` is the mean of the finite values
+(`mean_of`: of one key over records); `stats` gives mean, sample std, range and count of a set of
+per-seed values; `welch` compares two such sets (difference of means, its standard error, t, the
+Welch-Satterthwaite degrees of freedom and the two-sided p); `spearman` and `spearman_test`
+rank-correlate two sets; `fmt` and `fmt_welch` write them as table cells.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ import numbers
 import numpy as np
 
 
+def is_finite(v) -> bool:
+  """Whether v is a finite real number (numpy scalars count; None, NaN, inf and bools do not)."""
+  return (isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+          and bool(np.isfinite(v)))
+
+
 def _finite(vals) -> list[float]:
-  """The finite real numbers in vals (numpy scalars included; None, NaN and bools left out)."""
-  return [float(v) for v in vals if isinstance(v, numbers.Real)
-          and not isinstance(v, (bool, np.bool_)) and np.isfinite(v)]
+  """The finite real numbers in vals (the `is_finite` filter)."""
+  return [float(v) for v in vals if is_finite(v)]
 
 
 def mean(vals) -> float | None:
