@@ -57,7 +57,8 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from trace_jax.campaign import archive_dir, archive_run, finished_summary, run_records  # noqa: E402
+from trace_jax.campaign import (archive_dir, archive_run, finished_summary, read_summary,  # noqa: E402
+                                run_records, write_summary)
 from trace_jax.seed_stats import fmt as _fmt, fmt_welch, mean_of, stats as _stats, welch  # noqa: E402
 
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
@@ -214,31 +215,26 @@ def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
 
 
 # ---- collecting ----------------------------------------------------------------------------------
-def _summary_rows(path) -> list[dict]:
-  """Every row an earlier summary.json at `path` holds: its tables' rows and the rows it kept for
-  runs outside its own plan."""
-  if not os.path.exists(path):
-    return []
-  try:
-    old = json.load(open(path))
-  except (OSError, ValueError):
-    return []
+def _summary_rows(out_dir) -> list[dict]:
+  """Every row an earlier summary in `out_dir` holds: its tables' rows and the rows it kept for
+  runs outside its own plan ([] when there is none yet)."""
+  old = read_summary(out_dir, missing_ok=True) or {}
   return list(old.get("runs", [])) + list(old.get("earlier_runs", []))
 
 
-def carried_rows(path, runs) -> dict:
-  """Rows of an earlier summary.json at `path` for the given runs: {run: {budget: row}}."""
+def carried_rows(out_dir, runs) -> dict:
+  """Rows of an earlier summary in `out_dir` for the given runs: {run: {budget: row}}."""
   out = {}
-  for r in _summary_rows(path):
+  for r in _summary_rows(out_dir):
     if r.get("run") in runs:
       out.setdefault(r["run"], {})[r["budget"]] = dict(r, carried=True)
   return out
 
 
-def earlier_rows(path, runs) -> list[dict]:
-  """Rows of an earlier summary.json at `path` for runs NOT in `runs`: an invocation that plans a
+def earlier_rows(out_dir, runs) -> list[dict]:
+  """Rows of an earlier summary in `out_dir` for runs NOT in `runs`: an invocation that plans a
   subset keeps them (under "earlier_runs"), so that rewriting the summary loses no result."""
-  return [r for r in _summary_rows(path) if r.get("run") not in runs]
+  return [r for r in _summary_rows(out_dir) if r.get("run") not in runs]
 
 
 def carried_row(row, carried):
@@ -567,9 +563,8 @@ def main(argv):
   todo = sorted({r["run"] for r in rows})
   archive = archive_dir(_OUT.value)
   finished = lambda run: finished_summary(_RUNS.value, archive, run) is not None  # noqa: E731
-  old_summary = os.path.join(_OUT.value, "summary.json")
-  carried = {k: v for k, v in carried_rows(old_summary, todo).items() if not finished(k)}
-  earlier = earlier_rows(old_summary, set(todo))
+  carried = {k: v for k, v in carried_rows(_OUT.value, todo).items() if not finished(k)}
+  earlier = earlier_rows(_OUT.value, set(todo))
   done = [r for r in todo if finished(r) or r in carried]
   print(f"[compare] {len(rows)} rows, {len(todo)} runs, {len(done)} already finished"
         + (f" ({len(carried)} carried from the earlier summary)" if carried else ""), flush=True)
@@ -614,8 +609,7 @@ def main(argv):
              regimes={k: REGIMES[k] for k in regimes}, budgets={k: BUDGETS[k] for k in budgets},
              low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
              runs=table, aggregates=aggs, missing_runs=missing, earlier_runs=earlier)
-  with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
-    json.dump(out, f, indent=1, default=str)
+  write_summary(_OUT.value, out)
   md = markdown(aggs)
   curves = em_by_step([r for r, old in table_rows if old is None], recs)
   if curves:

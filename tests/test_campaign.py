@@ -61,6 +61,12 @@ def test_archive_skips_an_archived_copy_as_new(tmp_path):
 def test_summary_rows_and_missing_summary(tmp_path):
   with pytest.raises(FileNotFoundError, match="no campaign summary"):
     campaign.read_summary(str(tmp_path))
+  assert campaign.read_summary(str(tmp_path), missing_ok=True) is None
+  # written atomically: no temporary file is left, and the file reads back
+  assert campaign.write_summary(str(tmp_path / "new"), {"runs": [], "x": 3}) == \
+      str(tmp_path / "new" / "summary.json")
+  assert os.listdir(tmp_path / "new") == ["summary.json"]
+  assert campaign.read_summary(str(tmp_path / "new")) == {"runs": [], "x": 3}
   rows = [dict(method="grpo", seed=0, run=RUN, budget="rollouts")]
   (tmp_path / "summary.json").write_text(json.dumps({"runs": rows, "aggregates": []}))
   assert campaign.summary_rows(str(tmp_path)) == rows

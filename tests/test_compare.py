@@ -136,9 +136,9 @@ def test_carried_rows(tmp_path):
                        run="default/rollouts/grpo-seed0", accuracy_final=0.4),
                   dict(method="trace_tree", seed=0, regime="default", budget="rollouts",
                        run="default/rollouts/trace_tree-seed0", accuracy_final=0.5)]}
-  path = tmp_path / "old.json"
+  path = tmp_path / "summary.json"
   path.write_text(json.dumps(old))
-  carried = compare.carried_rows(str(path), {"default/rollouts/grpo-seed0",
+  carried = compare.carried_rows(str(tmp_path), {"default/rollouts/grpo-seed0",
                                              "default/rollouts/trace_tree-seed0"})
   rows = compare.plan(["grpo", "trace_tree"], 1, 1, ["default"], ["rollouts", "tokens"])
   got = {(r["method"], r["budget"]): compare.carried_row(r, carried) for r in rows}
@@ -146,15 +146,20 @@ def test_carried_rows(tmp_path):
   assert got[("grpo", "tokens")]["accuracy_final"] == 0.4 and got[("grpo", "tokens")]["carried"]
   assert got[("trace_tree", "rollouts")]["accuracy_final"] == 0.5
   assert got[("trace_tree", "tokens")] is None  # its token-budget run is another run
-  assert compare.carried_rows(str(tmp_path / "absent.json"), set()) == {}
+  assert compare.carried_rows(str(tmp_path / "absent"), set()) == {}  # no summary yet
   # A summary rewritten for a subset keeps the other runs' rows, and they can be carried again.
-  assert [r["run"] for r in compare.earlier_rows(str(path), {"default/rollouts/grpo-seed0"})] == [
+  assert [r["run"] for r in compare.earlier_rows(str(tmp_path), {"default/rollouts/grpo-seed0"})] == [
       "default/rollouts/trace_tree-seed0"]
   path.write_text(json.dumps({"runs": old["runs"][:1], "earlier_runs": old["runs"][1:]}))
-  again = compare.carried_rows(str(path), {"default/rollouts/trace_tree-seed0"})
+  again = compare.carried_rows(str(tmp_path), {"default/rollouts/trace_tree-seed0"})
   assert again["default/rollouts/trace_tree-seed0"]["rollouts"]["accuracy_final"] == 0.5
-  assert compare.earlier_rows(str(path), {"default/rollouts/grpo-seed0",
+  assert compare.earlier_rows(str(tmp_path), {"default/rollouts/grpo-seed0",
                                           "default/rollouts/trace_tree-seed0"}) == []
+  # A summary that is not JSON (cut short by a kill) stops the campaign before it trains: read as
+  # empty, the rewritten summary would drop every earlier row.
+  path.write_text('{"runs": [{"method": "gr')
+  with pytest.raises(ValueError, match="not a readable campaign summary"):
+    compare.carried_rows(str(tmp_path), set())
 
 
 def test_em_by_step_over_seeds():

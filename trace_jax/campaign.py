@@ -35,14 +35,33 @@ def archive_dir(out_dir: str, run: str | None = None) -> str:
   return os.path.join(out_dir, ARCHIVE, run) if run else os.path.join(out_dir, ARCHIVE)
 
 
-def read_summary(out_dir: str) -> dict:
-  """`<out_dir>/summary.json`; a clear error when it is missing."""
+def read_summary(out_dir: str, missing_ok: bool = False) -> dict | None:
+  """`<out_dir>/summary.json`; a clear error when it is missing (None with `missing_ok`) or is not
+  JSON (never read as empty: a campaign that rewrites its summary would lose its rows)."""
   path = os.path.join(out_dir, SUMMARY)
   if not os.path.exists(path):
+    if missing_ok:
+      return None
     raise FileNotFoundError(f"{path}: no campaign summary (write it with `launch/compare.py "
                             f"--summarize_only --out={out_dir}`)")
   with open(path) as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path} is not a readable campaign summary ({e}); restore it (e.g. from "
+                       "version control) before rerunning, or its rows are lost") from None
+
+
+def write_summary(out_dir: str, summary: dict) -> str:
+  """Writes `<out_dir>/summary.json` atomically (a temporary file, then a rename), so a campaign
+  stopped while writing keeps its old summary whole. Returns the path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, SUMMARY)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  os.replace(tmp, path)
+  return path
 
 
 def summary_rows(out_dir: str) -> list[dict]:
