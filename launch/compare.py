@@ -267,7 +267,8 @@ def run_row(row, summary, recs) -> dict:
              prefix_auc_allocation=(pred.get("prefix") or {}).get("auc"),
              slice_auc=slice_last.get("slice_auc"), slice_brier=slice_last.get("slice_brier"),
              slice_ece=slice_last.get("slice_ece"), slice_p_gap=slice_last.get("slice_p_gap"),
-             slice_n=slice_last.get("slice_n"), run=row["run"])
+             slice_n=slice_last.get("slice_n"), run=row["run"],
+             warm_start_sha1=(summary.get("warm_start") or {}).get("params_sha1"))
   out.update(sampled_trap_share=mean_of(steps, "sampled_trap_share"),
              reward_trap=mean_of(steps, "reward_trap"))
   evals = [r for r in recs if "eval_em" in r]
@@ -278,6 +279,34 @@ def run_row(row, summary, recs) -> dict:
     if last is not None:
       out[f"accuracy_final_{half}"] = last[f"eval_em_{half}"]
   return out
+
+
+def warm_starts(table) -> dict:
+  """{warm-start fingerprint: runs}, over the table's runs (each run once); runs that recorded
+  none (made before the fingerprint existed) count under "unknown"."""
+  out, seen = {}, set()
+  for r in table:
+    key = r.get("run") or id(r)
+    if key in seen:
+      continue
+    seen.add(key)
+    sha = r.get("warm_start_sha1") or "unknown"
+    out[sha] = out.get(sha, 0) + 1
+  return out
+
+
+def warm_start_line(counts) -> str:
+  """A Markdown line naming the warm starts a table's runs come from; a warning when it mixes
+  two or more known ones (then its methods did not all start alike)."""
+  known = {k: v for k, v in counts.items() if k != "unknown"}
+  parts = [f"`{k}` ({v} run{'s' if v != 1 else ''})" for k, v in sorted(known.items())]
+  if counts.get("unknown"):
+    parts.append(f"unrecorded ({counts['unknown']} runs, made before runs recorded it)")
+  line = "Warm starts (parameter fingerprints): " + ", ".join(parts) + "."
+  if len(known) > 1:
+    line = (f"**Warning: these runs come from {len(known)} different warm starts; rows from "
+            "different warm starts do not compare at equal start.** " + line)
+  return line + "\n"
 
 
 def half_gain_step(evals) -> int | None:
@@ -608,7 +637,8 @@ def main(argv):
              overrides=_SET.value, warm_start_seed=_WARM_SEED.value,
              regimes={k: REGIMES[k] for k in regimes}, budgets={k: BUDGETS[k] for k in budgets},
              low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
-             runs=table, aggregates=aggs, missing_runs=missing, earlier_runs=earlier)
+             runs=table, aggregates=aggs, missing_runs=missing, earlier_runs=earlier,
+             warm_starts=warm_starts(table))
   write_summary(_OUT.value, out)
   md = markdown(aggs)
   curves = em_by_step([r for r, old in table_rows if old is None], recs)
@@ -616,7 +646,8 @@ def main(argv):
     md += "\n" + curves
   with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
     f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
-            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n" + md
+            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n"
+            + warm_start_line(out["warm_starts"]) + "\n" + md
             + (f"\nPlanned but not run yet ({len(missing)}): "
                + ", ".join(f"`{m}`" for m in missing) + "\n" if missing else ""))
   if _PLOTS.value:

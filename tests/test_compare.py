@@ -99,6 +99,12 @@ def test_compare_smoke_and_resume(tmp_path):
   for name in ("summary.md", "em_vs_tokens.png", "effective_ratio.png", "reliability.png",
                "anchor_depths.png", "trap_rollouts.png"):
     assert os.path.getsize(tmp_path / "out" / name) > 0, name
+  # both runs restored one warm start (trained once, cached), and the summary says so
+  sha = runs["grpo"]["warm_start_sha1"]
+  assert len(sha) == 12 and runs["trace_tree"]["warm_start_sha1"] == sha
+  assert out["warm_starts"] == {sha: 2}
+  md = open(tmp_path / "out" / "summary.md").read()
+  assert f"`{sha}` (2 runs)" in md and "Warning" not in md
   t0 = time.time()
   again = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -160,6 +166,19 @@ def test_carried_rows(tmp_path):
   path.write_text('{"runs": [{"method": "gr')
   with pytest.raises(ValueError, match="not a readable campaign summary"):
     compare.carried_rows(str(tmp_path), set())
+
+
+def test_warm_starts_named_and_mixing_warned():
+  table = [dict(run="a", warm_start_sha1="abc"), dict(run="a", warm_start_sha1="abc"),  # 2 budgets
+           dict(run="b", warm_start_sha1="abc"), dict(run="c"), dict(run="d", warm_start_sha1=None)]
+  counts = compare.warm_starts(table)
+  assert counts == {"abc": 2, "unknown": 2}
+  line = compare.warm_start_line(counts)
+  assert "`abc` (2 runs)" in line and "unrecorded (2 runs" in line and "Warning" not in line
+  mixed = compare.warm_start_line(compare.warm_starts(table + [dict(run="e",
+                                                                    warm_start_sha1="def")]))
+  assert mixed.startswith("**Warning: these runs come from 2 different warm starts")
+  assert "`def` (1 run)" in mixed
 
 
 def test_em_by_step_over_seeds():

@@ -110,6 +110,13 @@ def test_smoke_run_summary_and_outputs(run):
   for k in ("accuracy_start", "accuracy_final", "effective_ratio"):
     assert 0.0 <= s[k] <= 1.0, (k, s[k])
   assert s["generated_tokens"] > 0 and s["wall_seconds"] > 0
+  # Provenance: the machine and packages, and the warm start's fingerprints (trained here; the
+  # resumed run restores it from the cache, the same parameters)
+  assert s["environment"]["packages"]["jax"] and s["environment"]["cpu_count"] >= 1
+  ws, ws3 = s["warm_start"], run["summary3"]["warm_start"]
+  assert not ws["cached"] and len(ws["params_sha1"]) == 12 and len(ws["data_sha1"]) == 12
+  assert ws3["cached"] and ws3["params_sha1"] == ws["params_sha1"]
+  assert ws3["data_sha1"] == ws["data_sha1"]  # kept in the cache's metadata
   w = run["workdir"]
   for name in ("config.json", "metrics.jsonl", "training_curves.png"):
     assert os.path.getsize(os.path.join(w, name)) > 0, name

@@ -22,6 +22,7 @@ from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
 from trace_jax.parallel.distributed import (allgather_object, broadcast_arrays, broadcast_object,
                                             put_global)
+from trace_jax.provenance import fingerprint, tree_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +430,7 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
     else:
       params, meta = ck.restore(params)
     log.info("warm start restored from %s", d)
-    return params, dict(meta, cached=True, path=d)
+    return params, dict(meta, cached=True, path=d, params_sha1=tree_fingerprint(params))
   t0 = time.time()
   seed = sft_seed(c)
   recs = make_sft_dataset(assets.world, c.sft.num_traces, np.random.default_rng(seed))
@@ -443,10 +444,11 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
   info = dict(steps=c.sft.steps, traces=len(recs),
               expert_success=float(np.mean([r.trace.correct for r in recs])),
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
-              seconds=time.time() - t0, final=hist[-1] if hist else {})
+              seconds=time.time() - t0, final=hist[-1] if hist else {},
+              data_sha1=fingerprint(packed["tokens"]))
   if multi:  # the processes trained alike; process 0's result is the one every process keeps
     params = broadcast_arrays(params)
     ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
   else:
     ck.save(c.sft.steps, params, info)
-  return params, dict(info, cached=False, path=d)
+  return params, dict(info, cached=False, path=d, params_sha1=tree_fingerprint(params))

@@ -47,6 +47,7 @@ from trace_jax.parallel import (allgather_object, check_agree, fetch, initialize
 from trace_jax.parallel.distributed import (broadcast_arrays, broadcast_object, put_global_tree,
                                             run_global)
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
+from trace_jax.provenance import environment
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
 from trace_jax.rl.predictor_fit import PredictorFitter
 from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
@@ -608,7 +609,8 @@ def finish(run: Run, state: LoopState) -> dict:
                  wall_seconds=time.time() - run.t_start, workdir=run.workdir,
                  evals=evals, predictor=pred_rep, warm_start=run.warm_start,
                  warm_start_probe=state.probe, plots=plots,
-                 slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1))
+                 slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1),
+                 environment=environment())
   if _primary():
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1, default=str)
