@@ -57,9 +57,10 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from trace_jax.campaign import (archive_dir, archive_run, finished_summary, read_summary,  # noqa: E402
-                                run_records, write_summary)
-from trace_jax.seed_stats import fmt as _fmt, fmt_welch, mean_of, stats as _stats, welch  # noqa: E402
+from trace_jax.campaign import (archive_dir, archive_run, finished_summary, one_per_run,  # noqa: E402
+                                read_summary, run_records, write_summary)
+from trace_jax.seed_stats import (fmt as _fmt, fmt_welch, mean_of, stats as _stats,  # noqa: E402
+                                  wasted_ratio, welch)
 
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
 MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
@@ -282,14 +283,10 @@ def run_row(row, summary, recs) -> dict:
 
 
 def warm_starts(table) -> dict:
-  """{warm-start fingerprint: runs}, over the table's runs (each run once); runs that recorded
-  none (made before the fingerprint existed) count under "unknown"."""
-  out, seen = {}, set()
-  for r in table:
-    key = r.get("run") or id(r)
-    if key in seen:
-      continue
-    seen.add(key)
+  """{warm-start fingerprint: runs}, over the table's runs (`campaign.one_per_run`); runs that
+  recorded none (made before the fingerprint existed) count under "unknown"."""
+  out = {}
+  for r in one_per_run(table):
     sha = r.get("warm_start_sha1") or "unknown"
     out[sha] = out.get(sha, 0) + 1
   return out
@@ -364,7 +361,7 @@ def aggregate(rows) -> list[dict]:
       continue
     er, ger = a["effective_ratio"]["mean"], g["effective_ratio"]["mean"]
     a["er_minus_grpo"] = er - ger
-    a["wasted_vs_grpo"] = (1 - er) / (1 - ger) if ger < 1 else None
+    a["wasted_vs_grpo"] = wasted_ratio(er, ger)
     if a["accuracy_final"] and g["accuracy_final"]:
       a["accuracy_minus_grpo"] = a["accuracy_final"]["mean"] - g["accuracy_final"]["mean"]
   return out

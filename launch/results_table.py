@@ -12,7 +12,8 @@ The held-out EM at `--eval_steps` comes from each run's archived records
 (`DIR/runs/<run>/metrics.jsonl.gz`); a run without them leaves those cells to the others.
 Writes `<table_out>.md` (its command, then the table), `<table_out>.json` (per arm: the per-seed
 values, their mean and spread, the Welch comparisons with the reference for the mean EM over the
-run, the final EM, the effective ratio and the EM at each listed step, and the arm's wasted groups
+run, the final EM, the effective ratio, the generated tokens, the sampled trap-hop share and the
+EM at each listed step, and the arm's wasted groups
 as a share of the reference's, (1 − ER) / (1 − ER_ref)) and `<table_out>.png` (mean held-out EM by
 step with a band of one std over seeds, one line per arm).
 """
@@ -31,11 +32,12 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 
 from trace_jax.campaign import archived_records, summary_rows  # noqa: E402
-from trace_jax.seed_stats import fmt, fmt_welch, stats, welch  # noqa: E402
+from trace_jax.seed_stats import fmt, fmt_welch, stats, wasted_ratio, welch  # noqa: E402
 
 RUN_KEYS = ("accuracy_final", "em_curve_mean", "effective_ratio", "mixed_groups",
             "generated_tokens", "slice_auc", "em_half_gain_step", "sampled_trap_share")
-COMPARED = ("em_curve_mean", "accuracy_final", "effective_ratio")
+COMPARED = ("em_curve_mean", "accuracy_final", "effective_ratio", "generated_tokens",
+            "sampled_trap_share")
 
 
 def parse_arm(spec: str) -> dict:
@@ -87,22 +89,13 @@ def summarize(arms: list[dict], reference: str, eval_steps: list[int]) -> list[d
                stats={k: stats(values(a, k)) for k in RUN_KEYS},
                em_at_step={s: stats(values(a, s)) for s in eval_steps})
     if a is not ref:
-      row["wasted_vs_reference"] = wasted_ratio(row["stats"]["effective_ratio"],
-                                                stats(values(ref, "effective_ratio")))
+      er, ref_er = row["stats"]["effective_ratio"], stats(values(ref, "effective_ratio"))
+      row["wasted_vs_reference"] = wasted_ratio(er and er["mean"], ref_er and ref_er["mean"])
       row["vs_reference"] = {k: welch(values(a, k), values(ref, k)) for k in COMPARED}
       row["vs_reference"].update({f"em_step{s}": welch(values(a, s), values(ref, s))
                                   for s in eval_steps})
     out.append(row)
   return out
-
-
-def wasted_ratio(er, ref_er) -> float | None:
-  """The arm's wasted groups as a share of the reference's: (1 − ER) / (1 − ER_ref), from the
-  two arms' mean effective ratios (the issue's low-contrast target is at most 0.5); None without
-  both, or when the reference wastes nothing."""
-  if er is None or ref_er is None or ref_er["mean"] >= 1.0:
-    return None
-  return (1.0 - er["mean"]) / (1.0 - ref_er["mean"])
 
 
 def _em_cell(st, seeds: int) -> str:

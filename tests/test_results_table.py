@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import fmt, fmt_welch, is_finite, mean, mean_of, stats, welch
+from trace_jax.seed_stats import (fmt, fmt_welch, is_finite, mean, mean_of, stats, wasted_ratio,
+                                  welch)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -99,9 +100,9 @@ def test_arms_from_two_summaries(tmp_path):
   assert "1 − ER / base's" in md.splitlines()[0]
   assert "| 0.500 ± 0.000 | 1.00 | 8.0 ± 0.0 |" in md.splitlines()[3]
   assert "| 0.500 ± 0.000 | - | 8.0 ± 0.0 |" in md.splitlines()[2]
-  assert rt.wasted_ratio({"mean": 0.75}, {"mean": 0.5}) == pytest.approx(0.5)  # the target
-  assert rt.wasted_ratio(None, {"mean": 0.5}) is None
-  assert rt.wasted_ratio({"mean": 0.75}, {"mean": 1.0}) is None  # nothing wasted to compare
+  assert wasted_ratio(0.75, 0.5) == pytest.approx(0.5)  # the target
+  assert wasted_ratio(None, 0.5) is None
+  assert wasted_ratio(0.75, 1.0) is None  # nothing wasted to compare
   with pytest.raises(ValueError, match="none of the arms"):
     rt.summarize(arms, "grpo", [2])
   with pytest.raises(ValueError, match="must differ"):

@@ -69,18 +69,23 @@ def summary_rows(out_dir: str) -> list[dict]:
   return list(read_summary(out_dir)["runs"])
 
 
-def unique_runs(out_dir: str) -> list[dict]:
-  """The summary's rows, one per run: a method without a stage 2 serves both budget modes with one
-  run and is listed under each; its first row stands for it. Rows that name no run (carried
-  from summaries older than the archive) are kept as they are."""
+def one_per_run(rows) -> list[dict]:
+  """Summary rows, one per run: a method without a stage 2 serves both budget modes with one run
+  and is listed under each; its first row stands for it. Rows that name no run (carried from
+  summaries older than the archive) are kept as they are."""
   seen, out = set(), []
-  for r in summary_rows(out_dir):
+  for r in rows:
     run = r.get("run")
     if run is not None and run in seen:
       continue
     seen.add(run)
     out.append(r)
   return out
+
+
+def unique_runs(out_dir: str) -> list[dict]:
+  """The summary's rows, one per run (`one_per_run`)."""
+  return one_per_run(summary_rows(out_dir))
 
 
 def archived_metrics(out_dir: str, run: str) -> str:

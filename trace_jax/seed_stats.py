@@ -4,7 +4,8 @@
 (`mean_of`: of one key over records); `stats` gives mean, sample std, range and count of a set of
 per-seed values; `welch` compares two such sets (difference of means, its standard error, t, the
 Welch-Satterthwaite degrees of freedom and the two-sided p); `spearman` and `spearman_test`
-rank-correlate two sets; `fmt` and `fmt_welch` write them as table cells.
+rank-correlate two sets; `wasted_ratio` compares two effective ratios' wasted groups; `fmt`
+and `fmt_welch` write them as table cells.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def welch(a, b) -> dict | None:
   t = diff / se
   return dict(diff=diff, se=se, t=t, df=float(df), p=float(2 * st.t.sf(abs(t), df)),
               n=[len(a), len(b)])
+
+
+def wasted_ratio(er, ref_er) -> float | None:
+  """Wasted groups as a share of a reference's: (1 − ER) / (1 − ER_ref), from two mean effective
+  ratios (the issue's low-contrast target is at most 0.5); None without both, or when the
+  reference wastes nothing."""
+  if er is None or ref_er is None or ref_er >= 1.0:
+    return None
+  return (1.0 - er) / (1.0 - ref_er)
 
 
 def _ranks(v):
