@@ -37,7 +37,7 @@ def _base():
   c.model.intermediate_size = 384
   c.model.predictor_hidden = 128  # width of the success predictor's MLP
   # What the head reads at a prefix: "last" (the final state at its last token) or
-  # "last+prompt_mean" (and the mean final state over the prompt; results/feature_probe.json)
+  # "last+prompt_mean" (and the mean final state over the prompt; projects/mhqa/results/feature_probe.json)
   c.model.predictor_features = "last"
 
   c.world = ml_collections.ConfigDict()   # the synthetic world (ignored with real data)
@@ -152,7 +152,7 @@ def _base():
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
   c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
-  c.rl.inject_nan_steps = ""       # fault injection for tests and launch/chaos.py: RL steps ("2,3")
+  c.rl.inject_nan_steps = ""       # fault injection for tests and benchmarks/chaos.py: RL steps ("2,3")
   #                                  whose update gets a NaN loss (the guard must skip them)
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 

@@ -27,7 +27,7 @@ Regimes:
                 0.42/0.56/0.48/0.23 of the time for 1-4 hops, so the mix is what brings GRPO's
                 effective ratio to about 0.3.
 
-Writes to --out (default results/compare): summary.json ({"runs": [...], "aggregates": [...]}),
+Writes to --out (default projects/mhqa/results/compare): summary.json ({"runs": [...], "aggregates": [...]}),
 summary.md (mean and spread over seeds), em_vs_tokens.png, effective_ratio.png, reliability.png
 and anchor_depths.png.
 
@@ -57,9 +57,9 @@ sys.path.insert(0, _ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from trace_jax.campaign import (archive_dir, archive_run, finished_summary, one_per_run,  # noqa: E402
+from campaign import (archive_dir, archive_run, finished_summary, one_per_run,  # noqa: E402
                                 read_summary, run_records, write_summary)
-from trace_jax.seed_stats import (fmt as _fmt, fmt_welch, mean_of, stats as _stats,  # noqa: E402
+from seed_stats import (fmt as _fmt, fmt_welch, mean_of, stats as _stats,  # noqa: E402
                                   wasted_ratio, welch)
 
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
@@ -85,7 +85,7 @@ _BUDGETS = flags.DEFINE_string("budgets", "rollouts,tokens", "comma-separated bu
 _WARM_SEED = flags.DEFINE_integer("warm_start_seed", 0, "sft.seed shared by every run")
 _SET = flags.DEFINE_multi_string("set", [], "extra config override key=value for every run")
 _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run workdirs")
-_OUT = flags.DEFINE_string("out", "results/compare", "output directory")
+_OUT = flags.DEFINE_string("out", "projects/mhqa/results/compare", "output directory")
 _DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
 _PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(

@@ -215,9 +215,9 @@ def main(argv):
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.parallel import initialize, make_mesh, shard_state
-  from trace_jax.rollout.env_adapter import TreeEnvAdapter
-  from trace_jax.rollout.sampler import SamplerEngine
-  from trace_jax.rollout.sampler_config import sampler_config_from
+  from trace_jax.envs.adapter import TreeEnvAdapter
+  from trace_jax.sampling.engine import SamplerEngine
+  from trace_jax.sampling.config import sampler_config_from
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   world_box = {}

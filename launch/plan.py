@@ -131,7 +131,7 @@ def _rows_and_trees(c, mesh: str, s: dict) -> str:
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
   rows = _rows(s["train_rows"], s["micro_batches"], dp)
-  from trace_jax.rollout.paged_kv import tree_pages
+  from trace_jax.sampling.paged_kv import tree_pages
   shards = dp if s["kv_pool"] == "sharded" else 1
   need, per_shard = tree_pages(largest_tree(c), s["seq_len"], s["page_size"], s["num_pages"],
                                shards)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trace_jax.rollout import allocation as alloc
-from trace_jax.rollout import strategies as strat
+from trace_jax.allocation import allocators as alloc
+from trace_jax.allocation import strategies as strat
 
 _SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
 _probs = st.floats(0.0, 1.0, allow_nan=False, width=32)
@@ -351,7 +351,7 @@ def test_anchor_posterior():
 
 
 def test_platt_fit_recovers_a_known_map_and_shrinks_to_identity():
-  from trace_jax.rollout.allocation import platt_apply, platt_fit
+  from trace_jax.allocation.allocators import platt_apply, platt_fit
   rng = np.random.default_rng(0)
   logit = rng.normal(0, 2, 4000)
   p_hat = 1 / (1 + np.exp(-logit))
@@ -367,7 +367,7 @@ def test_platt_fit_recovers_a_known_map_and_shrinks_to_identity():
 def test_platt_fit_is_stable_on_saturated_predictions():
   # p̂ pushed to the clip (logits near +-9) that still ranks outcomes better than chance: the slope
   # must stay positive (a plain Newton step from the identity overshoots to a negative slope).
-  from trace_jax.rollout.allocation import platt_fit
+  from trace_jax.allocation.allocators import platt_fit
   rng = np.random.default_rng(1)
   for _ in range(20):
     n = 80

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl.batch import ADVANTAGES, build_sequences, node_advantages, pack_batch
-from trace_jax.rollout.tree import Tree
+from trace_jax.sampling.tree import Tree
 
 MAX_DEPTH = 8
 

@@ -1,4 +1,4 @@
-"""`launch/bench_vs_tunix.py` helpers that need no Tunix: the FLOP count behind its MFU numbers,
+"""`benchmarks/bench_vs_tunix.py` helpers that need no Tunix: the FLOP count behind its MFU numbers,
 the multi-turn tree workload's token count (checked against our engine running that workload) and
 the ratio summary."""
 
@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, Qwen3Config
-from trace_jax.rollout.sampler import PromptRequest
+from trace_jax.sampling.engine import PromptRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("bench_vs_tunix",
-                                               os.path.join(ROOT, "launch", "bench_vs_tunix.py"))
+                                               os.path.join(ROOT, "benchmarks", "bench_vs_tunix.py"))
 bvt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bvt)
 

@@ -1,4 +1,4 @@
-"""The campaign layout (trace_jax/campaign.py): archiving a finished run and reading it back."""
+"""The campaign layout (launch/campaign.py): archiving a finished run and reading it back."""
 
 import gzip
 import json
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from trace_jax import campaign
+import campaign
 
 RUN = "default/rollouts/grpo-seed0"
 

@@ -1,4 +1,4 @@
-"""`launch/contrast_vs_learning.py`: contrast per step against learning, over archived runs."""
+"""`projects/mhqa/contrast_vs_learning.py`: contrast per step against learning, over archived runs."""
 
 import gzip
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "contrast_vs_learning", os.path.join(ROOT, "launch", "contrast_vs_learning.py"))
+    "contrast_vs_learning", os.path.join(ROOT, "projects", "mhqa", "contrast_vs_learning.py"))
 cvl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cvl)
 
@@ -92,7 +92,7 @@ def test_command_writes_the_files(tmp_path):
   _campaign(tmp_path / "a", [("grpo", s, "rollouts", 0.30 + 0.01 * s, [0.5 + 0.1 * s])
                              for s in range(4)])
   out = tmp_path / "res" / "cvl"
-  p = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+  p = subprocess.run([sys.executable, "projects/mhqa/contrast_vs_learning.py",
                       f"--group=one world={tmp_path / 'a'}", f"--out={out}", "--first_steps=1"],
                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                      timeout=120)
@@ -101,7 +101,7 @@ def test_command_writes_the_files(tmp_path):
   assert res["first_steps"] == 1 and len(res["groups"][0]["runs"]) == 4
   assert res["groups"][0]["correlations"]["mixed_groups"]["pooled"]["rho"] == pytest.approx(1.0)
   assert os.path.getsize(f"{out}.png") > 0 and "### one world (4 runs" in open(f"{out}.md").read()
-  three = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+  three = subprocess.run([sys.executable, "projects/mhqa/contrast_vs_learning.py",
                           f"--group=one world={tmp_path / 'a'}", f"--out={out}",
                           "--exclude=*-seed3", "--methods=grpo,dapo"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
@@ -109,13 +109,13 @@ def test_command_writes_the_files(tmp_path):
   res = json.load(open(f"{out}.json"))
   assert [r["seed"] for r in res["groups"][0]["runs"]] == [0, 1, 2]
   assert "'--exclude=*-seed3'" in res["command"] and "--methods=grpo,dapo" in res["command"]
-  few = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+  few = subprocess.run([sys.executable, "projects/mhqa/contrast_vs_learning.py",
                         f"--group=x={tmp_path / 'a'},{tmp_path / 'missing'}", f"--out={out}"],
                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=120)
   assert few.returncode != 0 and "no campaign summary" in few.stdout
   _campaign(tmp_path / "two", [("grpo", s, "rollouts", 0.3, [0.5]) for s in range(2)])
-  two = subprocess.run([sys.executable, "launch/contrast_vs_learning.py",
+  two = subprocess.run([sys.executable, "projects/mhqa/contrast_vs_learning.py",
                         f"--group=x={tmp_path / 'two'}", f"--out={out}"], cwd=ROOT,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
   assert two.returncode != 0 and "2 runs with a mean EM over the run; need at least 3" in two.stdout

@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
-from trace_jax.rollout.driver import DriverConfig, RolloutDriver
-from trace_jax.rollout.sampler import SamplerConfig, SamplerEngine
-from trace_jax.rollout.strategies import PREFIX_ALLOCATION, ROOT_ALLOCATION, STRATEGIES
-from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv
-from trace_jax.rollout.tree import Tree
+from trace_jax.allocation.driver import DriverConfig, RolloutDriver
+from trace_jax.sampling.engine import SamplerConfig, SamplerEngine
+from trace_jax.allocation.strategies import PREFIX_ALLOCATION, ROOT_ALLOCATION, STRATEGIES
+from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv
+from trace_jax.sampling.tree import Tree
 
 V = 64
 EOS, SEARCH, ANSWER = 1, 5, 6

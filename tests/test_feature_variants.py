@@ -7,8 +7,8 @@ from flax import nnx
 
 from trace_jax.diagnostics import FEATURE_VARIANTS, feature_variants
 from trace_jax.models.qwen3 import Qwen3, get_preset
-from trace_jax.rollout.engine_ops import make_feature_step
-from trace_jax.rollout.tree import Tree
+from trace_jax.sampling.engine_ops import make_feature_step
+from trace_jax.sampling.tree import Tree
 
 V = 64
 
@@ -74,8 +74,8 @@ def test_sampler_and_update_compute_the_same_prompt_mean_features():
 
   from trace_jax.rl.batch import build_sequences, pack_batch
   from trace_jax.rl.update import span_means
-  from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
-  from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv
+  from trace_jax.sampling.engine import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+  from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv
 
   gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
   st = jax.tree.map(lambda x: x * 6.0, st)

@@ -8,10 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention_reference
 from trace_jax.models.qwen3.model import dense_attention
-from trace_jax.rollout.paged_kv import (PageAllocator, PoolExhaustedError, copy_pages,
+from trace_jax.sampling.paged_kv import (PageAllocator, PoolExhaustedError, copy_pages,
                                         gather_sequences, init_pool, paged_prefill_attention,
                                         pool_bytes, write_tokens)
-from trace_jax.rollout.slot_tables import (SlotView, page_buckets, pick_bucket, plain_tables,
+from trace_jax.sampling.slot_tables import (SlotView, page_buckets, pick_bucket, plain_tables,
                                            sharded_tables, tree_tables)
 
 

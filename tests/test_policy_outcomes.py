@@ -1,4 +1,4 @@
-"""`launch/policy_outcomes.py`: outcome tables, transitions and bars from probe JSONs."""
+"""`projects/mhqa/policy_outcomes.py`: outcome tables, transitions and bars from probe JSONs."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("policy_outcomes",
-                                               os.path.join(ROOT, "launch", "policy_outcomes.py"))
+                                               os.path.join(ROOT, "projects", "mhqa", "policy_outcomes.py"))
 po = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(po)
 

@@ -3,11 +3,11 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.predictor import PredictorHead
-from trace_jax.rl.predictor_fit import (PredictorFitter, node_examples, rollout_start_depths,
-                                        rollout_values)
-from trace_jax.rl.predictor_metrics import auc
+from trace_jax.allocation.predictor_fit import PredictorFitter, node_examples
+from trace_jax.sampling.tree import rollout_start_depths, rollout_values
+from trace_jax.allocation.predictor_metrics import auc
 from trace_jax.rl.update import UpdateConfig, make_optimizers
-from trace_jax.rollout.tree import Tree
+from trace_jax.sampling.tree import Tree
 
 
 def _trees(rs, n):

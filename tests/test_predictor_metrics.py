@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trace_jax.rl import predictor_metrics as pm
+from trace_jax.allocation import predictor_metrics as pm
 
 
 def _auc_pairwise(p, y):
@@ -70,7 +70,7 @@ def test_predictor_report_against_constant_baseline():
 
 
 def test_stratified_by_outcome():
-  from trace_jax.rl.predictor_metrics import stratified_by_outcome
+  from trace_jax.allocation.predictor_metrics import stratified_by_outcome
   out = stratified_by_outcome([0.9, 0.7, 0.2, 0.4, 0.5], [1, 1, 0, 0, 0], prefix="s_")
   assert out["s_n_success"] == 2 and out["s_n_failure"] == 3
   assert out["s_p_success"] == pytest.approx(0.8) and out["s_p_failure"] == pytest.approx(11 / 30)

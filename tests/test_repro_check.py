@@ -1,4 +1,4 @@
-"""`launch/repro_check.py`: a rerun of a campaign's runs compared with the archived records."""
+"""`projects/mhqa/repro_check.py`: a rerun of a campaign's runs compared with the archived records."""
 
 import gzip
 import json
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "projects", "mhqa"))
 
 import repro_check  # noqa: E402
 
@@ -64,13 +65,13 @@ def test_script(tmp_path):
   ref = _campaign(tmp_path / "a", {"r/grpo-seed0": (ROW, RECS)})
   new = _campaign(tmp_path / "b", {"r/grpo-seed0": (ROW, RECS)})
   out = tmp_path / "o" / "repro"
-  subprocess.run([sys.executable, "launch/repro_check.py", f"--reference={ref}", f"--rerun={new}",
+  subprocess.run([sys.executable, "projects/mhqa/repro_check.py", f"--reference={ref}", f"--rerun={new}",
                   f"--out={out}"], cwd=ROOT, check=True, capture_output=True)
   data = json.loads((tmp_path / "o" / "repro.json").read_text())
-  assert data["runs"][0]["identical"] and "launch/repro_check.py" in data["command"]
+  assert data["runs"][0]["identical"] and "projects/mhqa/repro_check.py" in data["command"]
   assert "| identical |" in (tmp_path / "o" / "repro.md").read_text()
   # no run in common: a clear error, not an empty table
   other = _campaign(tmp_path / "c", {"r/dapo-seed0": (ROW, RECS)})
-  p = subprocess.run([sys.executable, "launch/repro_check.py", f"--reference={ref}",
+  p = subprocess.run([sys.executable, "projects/mhqa/repro_check.py", f"--reference={ref}",
                       f"--rerun={other}", f"--out={out}"], cwd=ROOT, capture_output=True, text=True)
   assert p.returncode != 0 and "no run of" in p.stderr

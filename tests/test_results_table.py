@@ -1,4 +1,4 @@
-"""`trace_jax.seed_stats` (Welch's comparison over seeds) and `launch/results_table.py` (arms from
+"""`seed_stats` (Welch's comparison over seeds) and `projects/mhqa/results_table.py` (arms from
 several compare summaries in one table)."""
 
 import gzip
@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import (fmt, fmt_welch, is_finite, mean, mean_of, stats, wasted_ratio,
+from seed_stats import (fmt, fmt_welch, is_finite, mean, mean_of, stats, wasted_ratio,
                                   welch)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "results_table", os.path.join(ROOT, "launch", "results_table.py"))
+    "results_table", os.path.join(ROOT, "projects", "mhqa", "results_table.py"))
 rt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rt)
 
@@ -122,7 +122,7 @@ def test_script(tmp_path):
   _summary(tmp_path / "a", "grpo", [(0, [0.2, 0.2]), (1, [0.2, 0.3])])
   _summary(tmp_path / "b", "trace_tree", [(0, [0.2, 0.3]), (1, [0.2, 0.35])])
   out = tmp_path / "res" / "table"
-  p = subprocess.run([sys.executable, "launch/results_table.py", f"--arm={tmp_path / 'a'}:grpo:grpo",
+  p = subprocess.run([sys.executable, "projects/mhqa/results_table.py", f"--arm={tmp_path / 'a'}:grpo:grpo",
                       f"--arm={tmp_path / 'b'}:trace_tree:trace tree's (x)", "--eval_steps=2",
                       f"--table_out={out}"], cwd=ROOT, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, text=True, timeout=120)
@@ -131,7 +131,7 @@ def test_script(tmp_path):
   assert [a["label"] for a in res["arms"]] == ["grpo", "trace tree's (x)"]
   # the recorded command is a shell line that gives back the same arguments
   args = shlex.split(res["command"])
-  assert args[:2] == ["python", "launch/results_table.py"]
+  assert args[:2] == ["python", "projects/mhqa/results_table.py"]
   assert f"--arm={tmp_path / 'b'}:trace_tree:trace tree's (x)" in args
   assert res["arms"][1]["vs_reference"]["em_step2"]["diff"] == pytest.approx(0.075)
   md = (tmp_path / "res" / "table.md").read_text()

@@ -12,8 +12,8 @@ from flax import nnx
 
 from test_sampler import PROMPTS, leaf_sequences, make_engine, model  # noqa: F401 (fixture)
 from trace_jax.parallel import allgather_object, local_mesh, make_mesh
-from trace_jax.rollout.multiprocess import ProcessShardedEngine, _portable
-from trace_jax.rollout.sampler import ForkRequest, PromptRequest
+from trace_jax.sampling.multiprocess import ProcessShardedEngine, _portable
+from trace_jax.sampling.engine import ForkRequest, PromptRequest
 
 
 def _two_stage(engine):

@@ -7,10 +7,10 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
-from trace_jax.rollout.engine_ops import sample_tokens
-from trace_jax.rollout.paged_kv import PoolExhaustedError
-from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
-from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv, check_against_forward
+from trace_jax.sampling.engine_ops import sample_tokens
+from trace_jax.sampling.paged_kv import PoolExhaustedError
+from trace_jax.sampling.engine import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv, check_against_forward
 
 V = 64
 EOS, SEARCH, ANSWER = 1, 5, 6

@@ -5,9 +5,9 @@ import pytest
 from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
-from trace_jax.rollout.sampler import PromptRequest, SamplerConfig, SamplerEngine
-from trace_jax.rollout.scheduler import run_synchronous, run_task_affine, utilization_report
-from trace_jax.rollout.testing import IdTokenizer, LongTailEnv
+from trace_jax.sampling.engine import PromptRequest, SamplerConfig, SamplerEngine
+from trace_jax.sampling.scheduler import run_synchronous, run_task_affine, utilization_report
+from trace_jax.sampling.testing import IdTokenizer, LongTailEnv
 
 V = 64
 TOK = IdTokenizer()
@@ -118,7 +118,7 @@ class CountingEnv:
 
 
 def test_env_adapter_forks_env_state(model):
-  from trace_jax.rollout.env_adapter import TreeEnvAdapter
+  from trace_jax.envs.adapter import TreeEnvAdapter
   adapter = TreeEnvAdapter(CountingEnv())
   cfg = SamplerConfig(num_slots=4, page_size=8, num_pages=512, max_seq_len=96, max_turn_tokens=4,
                       max_obs_tokens=8, max_turns=6, prefill_chunk=(16,), page_buckets=(12,))

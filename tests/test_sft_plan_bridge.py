@@ -10,9 +10,9 @@ from trace_jax.envs.types import Doc
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.plan import plan_memory
 from trace_jax.rl.batch import build_sequences
-from trace_jax.rollout.env_adapter import TreeEnvAdapter
-from trace_jax.rollout.sampler import TurnRef
-from trace_jax.rollout.tree import Tree
+from trace_jax.envs.adapter import TreeEnvAdapter
+from trace_jax.sampling.engine import TurnRef
+from trace_jax.sampling.tree import Tree
 from trace_jax.sft import SFTConfig, encode_segments, pack_sequences, sft_train, target_positions
 
 

@@ -1,4 +1,4 @@
-"""`launch/trap_discovery.py`: early trap-hop rollouts of archived runs against learning speed."""
+"""`projects/mhqa/trap_discovery.py`: early trap-hop rollouts of archived runs against learning speed."""
 
 import gzip
 import importlib.util
@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.seed_stats import spearman, spearman_test
+from seed_stats import spearman, spearman_test
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "trap_discovery", os.path.join(ROOT, "launch", "trap_discovery.py"))
+    "trap_discovery", os.path.join(ROOT, "projects", "mhqa", "trap_discovery.py"))
 td = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(td)
 
@@ -95,7 +95,7 @@ def test_script_on_an_archive(tmp_path):
   runs.append(dict(runs[0], budget="tokens"))
   (tmp_path / "cmp" / "summary.json").write_text(json.dumps({"runs": runs}))
   out = tmp_path / "res" / "td"
-  p = subprocess.run([sys.executable, "launch/trap_discovery.py",
+  p = subprocess.run([sys.executable, "projects/mhqa/trap_discovery.py",
                       f"--summaries={tmp_path / 'cmp'}", f"--out={out}"], cwd=ROOT,
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
   assert p.returncode == 0, p.stdout[-2000:]

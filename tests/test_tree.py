@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl.advantages import check_flat_tree
-from trace_jax.rollout.tree import Tree, load_trees, render_png, render_text, save_trees, to_flat
+from trace_jax.sampling.tree import Tree, load_trees, render_png, render_text, save_trees, to_flat
 
 
 def make_tree(uid=0):

@@ -10,7 +10,7 @@ import numpy as np
 
 from trace_jax.envs.react import parse_action
 from trace_jax.envs.scoring import exact_match, f1
-from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
+from trace_jax.sampling.engine import PromptRequest, SamplerEngine
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Nothing is allocated: parameter shapes come from `nnx.eval_shape`, their per-device split from the
 same logical rules (`parallel.sharding.logical_to_spec`) the update's `state_shardings` uses.
 
-What the code lays out (trace_jax/rl/update.py, trace_jax/train.py, trace_jax/rollout/):
+What the code lays out (trace_jax/rl/update.py, trace_jax/train.py, trace_jax/sampling/):
 - Train state (`init_train_state`): masters in `master_dtype` (f32) when the params are of lower
   precision (bf16), AdamW moments mu and nu in the masters' dtype, the predictor head (f32,
   replicated) and its AdamW moments, all sharded by the parameters' logical axes.

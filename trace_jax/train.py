@@ -49,17 +49,17 @@ from trace_jax.parallel.distributed import (broadcast_arrays, broadcast_object, 
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.provenance import environment
 from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
-from trace_jax.rl.predictor_fit import PredictorFitter
-from trace_jax.rl.predictor_metrics import calibration_curve, predictor_report
+from trace_jax.allocation.predictor_fit import PredictorFitter
+from trace_jax.allocation.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
                                  make_optimizers, place_state, policy_params, reference_logprobs,
                                  state_shardings, update_config_from)
-from trace_jax.rollout import strategies
-from trace_jax.rollout.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
-from trace_jax.rollout.env_adapter import TreeEnvAdapter
-from trace_jax.rollout.multiprocess import ProcessShardedEngine, sampling_copy
-from trace_jax.rollout.sampler import PromptRequest, SamplerEngine
-from trace_jax.rollout.sampler_config import sampler_config_from
+from trace_jax.allocation import strategies
+from trace_jax.allocation.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
+from trace_jax.envs.adapter import TreeEnvAdapter
+from trace_jax.sampling.multiprocess import ProcessShardedEngine, sampling_copy
+from trace_jax.sampling.engine import PromptRequest, SamplerEngine
+from trace_jax.sampling.config import sampler_config_from
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +509,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch["ref_logp"] = reference_logprobs(
           run.graphdef, run.ref_params, batch, c.rl.micro_batches,
           run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
-    if state.step in run.inject_nan_steps:  # fault injection (launch/chaos.py): a NaN loss
+    if state.step in run.inject_nan_steps:  # fault injection (benchmarks/chaos.py): a NaN loss
       batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
     t1 = time.time()
     train_state, m = run_global(run.update, train_state, batch)

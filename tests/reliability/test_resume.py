@@ -124,7 +124,7 @@ def test_nan_lr_stops_with_exit_70(run, tmp_path):
 
 @pytest.mark.slow
 def test_injected_nan_step_is_skipped_and_the_run_goes_on(run, tmp_path):
-  # A NaN loss at RL step 1 (the fault `launch/chaos.py` injects): the update is skipped, the
+  # A NaN loss at RL step 1 (the fault `benchmarks/chaos.py` injects): the update is skipped, the
   # parameters and optimizer state after it are bit-identical to those before it, the run finishes.
   work = str(tmp_path / "nan_step")
   p = launch("train.py", *args_in(run, work, 2, "--config.rl.inject_nan_steps=1"))

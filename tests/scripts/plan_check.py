@@ -76,9 +76,9 @@ def update_check(rows, seq_len, micro, remat, vocab):
 
 
 def decode_check(num_slots, num_pages, page_size, max_seq_len, vocab):
-  from trace_jax.rollout.engine_ops import make_decode_step
-  from trace_jax.rollout.paged_kv import init_pool
-  from trace_jax.rollout.sampler_config import SamplerConfig
+  from trace_jax.sampling.engine_ops import make_decode_step
+  from trace_jax.sampling.paged_kv import init_pool
+  from trace_jax.sampling.config import SamplerConfig
   cfg = model_config(vocab_size=vocab)
   mesh = make_mesh(MESH)
   graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))

@@ -13,8 +13,8 @@ from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.parallel import make_mesh
-from trace_jax.rollout.sampler import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
-from trace_jax.rollout.testing import IdTokenizer, ScriptedEnv, check_against_forward
+from trace_jax.sampling.engine import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
+from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv, check_against_forward
 
 V = 64
 EOS, SEARCH, ANSWER = 1, 5, 6

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from trace_jax.rl import advantages as adv_lib
-from trace_jax.rl.predictor_fit import rollout_values
-from trace_jax.rollout.tree import Tree, to_flat
+from trace_jax.sampling.tree import rollout_values
+from trace_jax.sampling.tree import Tree, to_flat
 
 ADVANTAGES = {
     "tree_contrastive": adv_lib.tree_contrastive_advantages,
