@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention_reference
+from trace_jax.kernels import paged_attention_reference, tree_attention_reference
 
 
 def build_case(rng, prefix_len, branches, *, suffix_len, num_q_heads, num_kv_heads, head_dim,

@@ -51,7 +51,6 @@ for _p in (ROOT, os.path.join(ROOT, "launch")):
 import argparse  # noqa: E402
 import faulthandler  # noqa: E402
 import functools  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -63,8 +62,8 @@ from jax import lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-# The package exports a function named tree_attention, which shadows the submodule there.
-ta = importlib.import_module("trace_jax.kernels.tree_attention")
+from trace_jax import kernels as ta  # noqa: E402
+from trace_jax.kernels import gpu as gpu_kernel  # noqa: E402  (block-size constants, pltriton)
 
 COMPILES = {"n": 0, "s": 0.0}
 H200_NOMINAL_GBPS = 4800.0
@@ -142,7 +141,7 @@ def section_env(out, res, args):
       jax=jax.__version__, backend=jax.default_backend(), num_devices=len(devs),
       devices=[str(d) for d in devs], device_kind=devs[0].device_kind,
       quick=args.quick, interpret=args.interpret, budget_s=args.budget_s,
-      pallas_triton_importable=ta.pltriton is not None,
+      pallas_triton_importable=gpu_kernel.pltriton is not None,
       JAX_PALLAS_USE_MOSAIC_GPU=os.environ.get("JAX_PALLAS_USE_MOSAIC_GPU"),
       attention_impl_auto=ta.resolve_impl("auto"),
   )
@@ -510,7 +509,7 @@ def speed_row(row, seed, prefix, branches, cfg, interpret, reps, loop_k, target_
   # The tree kernel's prefix phase runs ceil(rows / block_m) row blocks per kv head, each
   # reading the prefix (repeat reads may hit L2, 50 MB on H100/H200).
   rows_m = branches * cfg["hq"] // cfg["hkv"]
-  bm = min(ta.MAX_BLOCK_M, max(ta.MIN_BLOCK_M, ta._next_pow2(rows_m)))
+  bm = min(gpu_kernel.MAX_BLOCK_M, max(gpu_kernel.MIN_BLOCK_M, gpu_kernel._next_pow2(rows_m)))
   row["tree_prefix_row_blocks"] = -(-rows_m // bm)
   log(f"  prefix {prefix:5d} x {branches:2d}: " + ", ".join(
       f"{n} {row[n]['ms']:.3f} ms ({row[n]['eff_GBps']:.0f} GB/s)" for n in IMPLS

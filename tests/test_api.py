@@ -205,7 +205,7 @@ def test_tree_attention_jit_and_vmap(name):
   _assert_same(out, _rows(per_layer, q, k, v), atol=1e-5)
   # Slots 0 and 1 share 7 prefix tokens on pages 1, 2 (page 2 is not full, so the flat tables
   # cannot hold their suffixes after it): compare with the prefix alone, suffixes empty.
-  from trace_jax.kernels.tree_attention import paged_attention_reference
+  from trace_jax.kernels import paged_attention_reference
   no_suffix = jax.jit(per_layer)(q[0], k[0], v[0], suffix_lens=jnp.array([0, 0, 5]))
   flat = paged_attention_reference(q[0], k[0], v[0], jnp.array([[1, 2], [1, 2], [0, 0]]),
                                    jnp.array([7, 7, 0]))

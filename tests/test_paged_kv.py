@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention_reference
+from trace_jax.kernels import paged_attention_reference, tree_attention_reference
 from trace_jax.models.qwen3.model import dense_attention
 from trace_jax.sampling.paged_kv import (PageAllocator, PoolExhaustedError, copy_pages,
                                         gather_sequences, init_pool, paged_prefill_attention,

@@ -1,7 +1,6 @@
 """Tree decode attention: Pallas (interpret) vs jnp reference vs a dense oracle on random trees."""
 
 import dataclasses
-import importlib
 
 import hypothesis
 from hypothesis import strategies as st
@@ -10,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# The package exports the function `tree_attention`, which shadows the submodule's name there.
-ta = importlib.import_module("trace_jax.kernels.tree_attention")
+from trace_jax import kernels as ta
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

@@ -6,7 +6,6 @@ Interpret compiles are slow (seconds each): shapes are tiny and shared between t
 """
 
 import functools
-import importlib
 import importlib.util
 import os
 import subprocess
@@ -19,9 +18,8 @@ import pytest
 
 from devices import run_on_devices
 from test_tree_attention import assert_close, make_tree, oracle
-
-ta = importlib.import_module("trace_jax.kernels.tree_attention")
-tt = importlib.import_module("trace_jax.kernels.tree_attention_tpu")
+from trace_jax import kernels as ta
+from trace_jax.kernels import tpu as tt
 
 # One settings object for every interpret call: equal settings hit the jit cache.
 INTERPRET = tt.interpret_params()
@@ -56,7 +54,7 @@ def tree_tpu(*args):
 
 
 def core_reference(rows, k_pages, v_pages, tables, lens):
-  return ta._paged_partials_reference(rows, k_pages, v_pages, tables, lens, 0.5)
+  return ta.paged_partials_reference(rows, k_pages, v_pages, tables, lens, 0.5)
 
 
 def make_core_case(seed, *, num_pages=13, page_size=4, num_kv_heads=2, rows=6, head_dim=16,

@@ -37,8 +37,8 @@ _EXPORTS = {
     "token_advantages": "trace_jax.rl.advantages",
     "ppo_clip_loss": "trace_jax.rl.losses",
     "token_logprobs_and_entropy": "trace_jax.rl.losses",
-    "tree_attention": "trace_jax.kernels.tree_attention",
-    "tree_attention_reference": "trace_jax.kernels.tree_attention",
+    "tree_attention": "trace_jax.kernels.dispatch",
+    "tree_attention_reference": "trace_jax.kernels.reference",
     "Qwen3": "trace_jax.models.qwen3.model",
     "Qwen3Config": "trace_jax.models.qwen3.config",
     "get_preset": "trace_jax.models.qwen3.config",
@@ -61,8 +61,6 @@ __all__ = sorted(_EXPORTS)  # noqa: PLE0605
 def __getattr__(name):
   if name not in _EXPORTS:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  # `trace_jax.kernels` rebinds the attribute `tree_attention` to the function, so the module is
-  # read from sys.modules via import_module, never by attribute access on the package.
   value = getattr(importlib.import_module(_EXPORTS[name]), name)
   globals()[name] = value  # later accesses skip __getattr__
   return value

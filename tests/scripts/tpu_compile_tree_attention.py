@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from trace_jax.kernels.tree_attention_tpu import tree_attention_tpu
+from trace_jax.kernels import tree_attention_tpu
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 

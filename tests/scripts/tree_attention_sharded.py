@@ -15,8 +15,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_tree_attention import make_tree  # noqa: E402
 
-from trace_jax.kernels.tree_attention import tree_attention_reference  # noqa: E402
-from trace_jax.kernels.tree_attention_sharded import tree_attention_sharded  # noqa: E402
+from trace_jax.kernels import tree_attention_reference, tree_attention_sharded  # noqa: E402
 from trace_jax.parallel import make_mesh  # noqa: E402
 
 

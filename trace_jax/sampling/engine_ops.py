@@ -17,8 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from trace_jax.kernels.tree_attention import paged_attention_reference, tree_attention
-from trace_jax.kernels.tree_attention_sharded import tree_attention_sharded
+from trace_jax.kernels import paged_attention_reference, tree_attention, tree_attention_sharded
 from trace_jax.sampling.paged_kv import (PoolLayout, jit_pool_fn, paged_prefill_attention,
                                         write_tokens)
 

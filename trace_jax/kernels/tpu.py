@@ -1,6 +1,6 @@
-"""Tree (cascade) decode attention as a Pallas TPU (Mosaic) kernel, and a `shard_map` wrapper.
+"""Tree (cascade) decode attention as a Pallas TPU (Mosaic) kernel.
 
-Same contract as `tree_attention.tree_attention_reference` (layout in that module's docstring): a
+Same contract as `reference.tree_attention_reference` (layout in `partials`' docstring): a
 prefix phase stacks the queries of all branches of a group as the rows of one matmul against the
 group's shared pages, a suffix phase runs each slot against its own pages, and the two partial
 softmax results merge by log-sum-exp (`merge_partials`).
@@ -37,12 +37,14 @@ Block sizes and why:
 
 Page tables are flattened to 1-D for SMEM (2-D SMEM arrays pad their last dim to 128 words); a
 table of S x P ids must fit SMEM (a few hundred KiB on current chips).
+
+Imports only `partials`; `dispatch.tree_attention` picks this kernel on TPU and `sharded` runs it
+under `shard_map`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 from jax import lax
@@ -50,8 +52,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# The package exports the function `tree_attention`, which shadows the module's name there.
-ta = importlib.import_module("trace_jax.kernels.tree_attention")
+from trace_jax.kernels.partials import (MASK_VALUE, Partials, check_tree_args, group_rows,
+                                        merge_partials, merge_split_partials, normalize_partials,
+                                        prefix_partials_per_slot, resolve_scale, slot_rows)
 
 DEFAULT_TPU_BLOCK_K = 256
 LANES = 128  # per-row scalars (m, l) are kept lane-replicated
@@ -111,7 +114,7 @@ def _paged_partials_tpu_kernel(
   last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_k))
 
   o_ref[...] = jnp.zeros_like(o_ref)
-  m_scr[...] = jnp.full_like(m_scr, ta.MASK_VALUE)
+  m_scr[...] = jnp.full_like(m_scr, MASK_VALUE)
   l_scr[...] = jnp.zeros_like(l_scr)
 
   # All local heads: a static slice (Mosaic must prove head offsets tile aligned; a whole page is).
@@ -153,7 +156,7 @@ def _paged_partials_tpu_kernel(
       v = v_buf[slot, :, :, j, :].reshape(block_k, d)
       v = jnp.where(v_valid, v, jnp.zeros_like(v))
       s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-      s = jnp.where(valid, s * sm_scale, ta.MASK_VALUE)
+      s = jnp.where(valid, s * sm_scale, MASK_VALUE)
       # Every visited block holds a valid token, so m_new is a real logit and masked entries
       # underflow to exactly 0.
       m_prev = m_scr[j]  # [M_pad, 128]
@@ -174,8 +177,8 @@ def _paged_partials_tpu_kernel(
 def paged_partials_tpu(
     rows, k_pages, v_pages, tables, lens, sm_scale, *, block_k=DEFAULT_TPU_BLOCK_K,
     kv_heads_per_block=None, num_splits=1, interpret=False,
-) -> ta.Partials:
-  """Rows against a paged sequence (TPU kernel); same contract as the reference helper.
+) -> Partials:
+  """Rows against a paged sequence (TPU kernel); same contract as `paged_partials_reference`.
 
   Args:
     rows: [N, Hkv, M, D]; every row of n attends to the first lens[n] tokens of pages tables[n].
@@ -246,9 +249,9 @@ def paged_partials_tpu(
       interpret=interpret,
       name=f"tree_attention_tpu_ppb{pages_per_block}_hb{hb}_splits{splits}",
   )(tables, lens, rows, k_pages, v_pages)
-  parts = ta.Partials(o=o, m=ml[..., 0], l=ml[..., 1])
-  merged = ta.merge_split_partials(parts) if splits > 1 else ta.Partials(*(x[0] for x in parts))
-  return ta.Partials(*(x[:, :, :m_rows] for x in merged))
+  parts = Partials(o=o, m=ml[..., 0], l=ml[..., 1])
+  merged = merge_split_partials(parts) if splits > 1 else Partials(*(x[0] for x in parts))
+  return Partials(*(x[:, :, :m_rows] for x in merged))
 
 
 @functools.partial(
@@ -260,22 +263,22 @@ def tree_attention_tpu(
     *, sm_scale=None, block_k=DEFAULT_TPU_BLOCK_K, kv_heads_per_block=None, num_splits=1,
     interpret=False,
 ):
-  """Tree decode attention with the Pallas TPU kernel (layout in `tree_attention`'s docstring).
+  """Tree decode attention with the Pallas TPU kernel (layout in `trace_jax.kernels.partials`).
 
   One kernel call per phase: the prefix phase with all branch queries of a group stacked as rows,
   the suffix phase with one slot per row group; the phases merge by log-sum-exp in jnp.
   Keyword arguments are those of `paged_partials_tpu`. Returns [S, Hq, D] in q.dtype.
   """
-  ta._check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
-                      suffix_lens)
+  check_tree_args(q, k_pages, v_pages, group_pages, group_lens, group_slots, suffix_pages,
+                  suffix_lens)
   s, hq, d = q.shape
   hkv = k_pages.shape[2]
   run = functools.partial(
-      paged_partials_tpu, sm_scale=ta._resolve_scale(d, sm_scale), block_k=block_k,
+      paged_partials_tpu, sm_scale=resolve_scale(d, sm_scale), block_k=block_k,
       kv_heads_per_block=kv_heads_per_block, num_splits=num_splits, interpret=interpret,
   )
-  prefix = run(ta._group_rows(q, group_slots, hkv), k_pages, v_pages, group_pages, group_lens)
-  prefix = ta._prefix_partials_per_slot(prefix, group_slots, s)
-  suffix = run(ta._slot_rows(q, hkv), k_pages, v_pages, suffix_pages, suffix_lens)
-  out = ta.normalize_partials(ta.merge_partials(prefix, suffix))
+  prefix = run(group_rows(q, group_slots, hkv), k_pages, v_pages, group_pages, group_lens)
+  prefix = prefix_partials_per_slot(prefix, group_slots, s)
+  suffix = run(slot_rows(q, hkv), k_pages, v_pages, suffix_pages, suffix_lens)
+  out = normalize_partials(merge_partials(prefix, suffix))
   return out.reshape(s, hq, d).astype(q.dtype)

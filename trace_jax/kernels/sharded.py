@@ -12,6 +12,8 @@ Contract (global arrays, shapes as in `tree_attention`):
   pages a row group reads belong to its own shard.
 - Page ids and slot ids are global; they become shard-local inside (minus the shard's offset).
 - A head axis that does not divide Hkv is left out (heads replicated), as the sharding rules do.
+
+Imports only `dispatch`: `impl` picks the backend run on each shard, as in `tree_attention`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trace_jax.kernels.tree_attention import tree_attention
+from trace_jax.kernels.dispatch import tree_attention
 
 
 def tree_attention_sharded(
