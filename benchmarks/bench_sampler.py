@@ -90,7 +90,7 @@ def sharing_case(graphdef, state, prefix: int, branches: int, gen: int, reps: in
   times = _timed_decode(engine)
   rng = np.random.default_rng(prefix)
   tree = engine.run([PromptRequest(list(rng.integers(8, VOCAB, prefix + 1)), n=1)])[0]
-  root_pages = len(tree._page_refs[0])
+  root_pages = len(engine.tree_state(tree).page_refs[0])  # the prompt's pages
   page_bytes = pool_bytes(engine.pool) // cfg.num_pages
   mark = engine.checkpoint(tree)
   base_used = engine.alloc.capacity - engine.alloc.num_free
@@ -140,12 +140,11 @@ def utilization_bench(graphdef, state, quick: bool):
                    ("synchronous", lambda e: run_synchronous(e, reqs))]:
     engine = SamplerEngine(graphdef, state, cfg, TOK.encode, TOK.decode,
                            LongTailEnv(VOCAB, seed=0, mean_turns=1.0, max_turns=6, shape=2.0),
-                           eos_id=None,
-                           stop_strings=(), turn_limit_fn=turn_limit)
-    start = len(engine.step_log)
-    _, report = fn(engine)
+                           eos_id=None, stop_strings=(), turn_limit_fn=turn_limit,
+                           record_steps=1 << 20)  # every decode step of one run (it refuses more)
+    _, report = fn(engine)  # the step log then holds this run's steps alone
     out[name] = report.as_dict()
-    series[name] = [int(x.sum()) for x in engine.step_log[start:]]
+    series[name] = [int(x.sum()) for x in engine.step_log]
     engine.release()
   return out, series
 

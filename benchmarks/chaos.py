@@ -10,7 +10,7 @@ connections, the server killed and restarted). After a process fault the trial r
 command, as a scheduler would, until the run finishes. Every finished run must equal the reference:
 the same RL and eval records (timings and retriever counters aside: faults cost retries) and
 bit-identical final parameters. A `nan` fault gives one random RL step a NaN loss
-(`rl.inject_nan_steps`): that trial's reference is an uninterrupted run with the same NaN, and the
+(`tests/faults.py --nan_steps`): that trial's reference is an uninterrupted run with the same NaN, and the
 trial must also show the step skipped (recorded, counted once) and every saved array finite.
 Writes every fault tried and its outcome to `--out`.
 """
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RETRIEVER_FAULTS = ("stall", "http500", "malformed", "drop", "server_restart")
 PROCESS_FAULTS = ("sigterm", "kill9")
-STATE_FAULTS = ("nan",)  # a NaN loss at a random RL step (`rl.inject_nan_steps`)
+STATE_FAULTS = ("nan",)  # a NaN loss at a random RL step (`tests/faults.py --nan_steps`)
 IGNORED = ("seconds", "wall", "retriever_")
 
 
@@ -129,7 +129,8 @@ def env(cache):
 
 
 def run_args(a, workdir, port):
-  return [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+  # tests/faults.py is launch/train.py with fault flags (--nan_steps) through the run's hooks.
+  return [sys.executable, os.path.join(ROOT, "tests", "faults.py"),
           "--config=configs/mhqa.py:smoke", f"--workdir={workdir}",
           f"--config.world.cache_dir={a.cache}", f"--config.rl.steps={a.steps}",
           f"--config.sft.steps={a.sft_steps}", f"--config.sft.num_traces={a.sft_traces}",
@@ -214,7 +215,7 @@ def main():
   def nan_reference(step):  # an uninterrupted run with the same NaN step, made once per step
     if step not in nan_refs:
       d = os.path.join(work, f"reference_nan{step}")
-      q = subprocess.run(run_args(a, d, proxy.port) + [f"--config.rl.inject_nan_steps={step}"],
+      q = subprocess.run(run_args(a, d, proxy.port) + [f"--nan_steps={step}"],
                          cwd=ROOT, env=env(jit_cache), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
       if q.returncode != 0:
@@ -234,7 +235,7 @@ def main():
     nan_step, extra, trial_ref = None, [], ref
     if "nan" in kinds:  # one NaN step per trial, chosen before the run starts
       nan_step = rnd.randint(1, a.steps - 1)
-      extra = [f"--config.rl.inject_nan_steps={nan_step}"]
+      extra = [f"--nan_steps={nan_step}"]
       trial_ref = nan_reference(nan_step)
       log.append({"fault": "nan", "attempt": 1, "step": nan_step})
     todo = [k for k in kinds if k not in STATE_FAULTS]

@@ -9,19 +9,18 @@ Variants:
 Overrides: `--config.rl.steps=50 --config.method=grpo`.
 """
 
-import math
 import os
+import sys
 
 import ml_collections
 
 DEFAULT_TRAP_RATE = 0.7  # SyntheticWorldConfig.trap_rate: the world of every earlier result
-METHODS = ("trace", "trace_tree", "root_only", "grpo", "dapo", "tree_grpo", "arpo")
 
 
 def _base():
   c = ml_collections.ConfigDict()
   c.variant = "tiny"
-  c.method = "trace_tree"   # one of METHODS: trace (paper objective), trace_tree (tree-aware), ...
+  c.method = "trace_tree"   # a registered strategy: trace_tree (tree-aware), trace (paper), grpo, ...
   c.seed = 0
   c.workdir = ""            # default: runs/<variant>-<method>-<time>
   c.mesh = "data:-1,fsdp:1,tensor:1"  # mesh axes; -1 takes the remaining devices
@@ -77,10 +76,6 @@ def _base():
   c.env.max_obs_tokens = 72    # observation tokens (cut in token space, closing tag kept)
   c.env.max_obs_bytes = 16384  # observation bytes (passages cut fairly; 0 = no cap)
   c.env.max_seq_len = 384      # whole trajectory
-  c.env.inject_stall = ""      # fault injection for tests: "PROCESS:SECONDS", that process's first
-                               # environment step stalls SECONDS (a hung tool call on one host)
-  c.env.inject_retriever_errors = ""  # fault injection for tests: "PROCESS:COUNT", that process's
-                               # first COUNT retriever calls fail (each becomes error observations)
 
   c.sft = ml_collections.ConfigDict()     # warm start on expert traces (synthetic world)
   c.sft.num_traces = 24000
@@ -152,8 +147,6 @@ def _base():
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
   c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
-  c.rl.inject_nan_steps = ""       # fault injection for tests and benchmarks/chaos.py: RL steps ("2,3")
-  #                                  whose update gets a NaN loss (the guard must skip them)
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()
@@ -263,176 +256,13 @@ def get_config(arg: str | None = None):
   return c
 
 
-REQUIRED_REAL = ("model.path", "data.train_path", "data.test_path")
-RETRIEVERS = ("world", "bm25", "http")
-ADVANTAGES = ("tree_contrastive", "grpo", "tree_grpo", "treerl")
+def validate(c):
+  """Checks every value of `c` (a ConfigDict of this file) and returns the run's typed
+  `trace_jax.config.TrainConfig`; raises ValueError naming the first bad field. See
+  `configs/convert.py`."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  if here not in sys.path:
+    sys.path.insert(0, here)
+  import convert
 
-
-def validate(c) -> None:
-  """Clear errors for settings that cannot work, before anything is built or compiled.
-
-  Every interval, count and budget that the loop divides by or allocates from is checked here,
-  so a bad value fails in seconds with the field named instead of after the first RL step.
-  Notes: `rl.steps=0` is allowed (warm start and the evaluation before RL only);
-  `rollout.temperature` must be > 0, since RL samples (evaluation is always greedy): for nearly
-  greedy rollouts use a small temperature or `rollout.top_k=1`.
-  """
-  if c.method not in METHODS:
-    raise ValueError(f"config.method={c.method!r}; choose one of {METHODS}")
-  from trace_jax.assets import uses_real_data  # the real variants' names live with the loaders
-
-  synthetic = not uses_real_data(c)
-  if not synthetic:
-    missing = [k for k in REQUIRED_REAL if not _get(c, k)]
-    if c.retriever.kind == "http" and not c.retriever.url:
-      missing.append("retriever.url")
-    if c.retriever.kind == "bm25" and not c.retriever.index_path:
-      missing.append("retriever.index_path")
-    if missing:
-      raise ValueError(
-          f"variant {c.variant} needs local paths: set " +
-          ", ".join(f"--config.{k}=..." for k in missing))
-
-  # ---- retriever
-  rt = c.retriever
-  _choice(c, "retriever.kind", RETRIEVERS)
-  if rt.kind == "world" and not synthetic:
-    raise ValueError(f"retriever.kind='world' needs the synthetic world; variant {c.variant} "
-                     f"uses real data: set --config.retriever.kind=http or bm25")
-  if rt.kind == "http":
-    if not rt.url:
-      raise ValueError("retriever.kind='http' needs --config.retriever.url=http://HOST:PORT")
-    if not rt.url.startswith(("http://", "https://")):
-      raise ValueError(f"retriever.url={rt.url!r} must start with http:// or https://")
-  _at_least(c, "retriever.topk", 1)
-  _at_least(c, "retriever.retries", 0)
-  _at_least(c, "retriever.batch_size", 1)
-  _at_least(c, "retriever.concurrency", 1)
-  _positive(c, "retriever.timeout_s")
-  _at_least(c, "retriever.backoff_s", 0)
-  _at_least(c, "retriever.max_backoff_s", 0)
-
-  # ---- environment
-  e = c.env
-  _at_least(c, "env.max_turns", 1)
-  _at_least(c, "env.max_turn_tokens", 1)
-  _at_least(c, "env.max_obs_tokens", 4)  # room for the tags and a little text
-  if e.max_obs_bytes != 0:
-    _at_least(c, "env.max_obs_bytes", 64, "(or 0 for no cap)")
-  if e.max_seq_len <= e.max_turn_tokens:
-    raise ValueError(f"env.max_seq_len={e.max_seq_len} must exceed env.max_turn_tokens="
-                     f"{e.max_turn_tokens}")
-
-  from trace_jax.assets import parse_hops
-  parse_hops(c.data.train_hops)  # raises on a malformed list
-
-  # ---- rollouts and budgets
-  r = c.rollout
-  for k in ("prompts_per_step", "min_per_prompt", "root_budget", "max_per_anchor", "num_slots",
-            "page_size", "prefill_chunk"):
-    _at_least(c, f"rollout.{k}", 1)
-  _at_least(c, "rollout.num_pages", 2)
-  _at_least(c, "rollout.prefix_budget", 0)
-  _at_least(c, "rollout.candidate_prompts", 0)
-  _at_least(c, "rollout.explore_prompts", 0)
-  _at_least(c, "rollout.hard_prompts", 0)
-  if r.explore_prompts + r.hard_prompts > r.prompts_per_step:
-    raise ValueError(f"rollout.explore_prompts={r.explore_prompts} + rollout.hard_prompts="
-                     f"{r.hard_prompts} is more than prompts_per_step={r.prompts_per_step}: the "
-                     "forced slots are part of the step's prompts")
-  _at_least(c, "rollout.top_k", 0)
-  _at_least(c, "rollout.tree_lambda", 0)
-  _at_least(c, "rollout.blend_prior", 0)
-  _at_least(c, "rollout.dapo_oversample", 1)
-  _choice(c, "rollout.budget_unit", ("rollouts", "tokens"))
-  _choice(c, "rollout.calibrate", ("none", "platt"))
-  _at_least(c, "rollout.calibrate_window", 1)
-  _at_least(c, "rollout.calibrate_prior", 0)
-  if r.calibrate != "none" and r.metric_slice <= 0:
-    raise ValueError("rollout.calibrate needs rollout.metric_slice > 0 (the random slice whose "
-                     "outcomes it is fit on)")
-  if not 0 < r.arpo_entropy_top <= 1:
-    raise ValueError(f"rollout.arpo_entropy_top={r.arpo_entropy_top} must be in (0, 1]")
-  if not 0 < r.top_p <= 1:
-    raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-  if not (r.temperature > 0 and math.isfinite(r.temperature)):
-    raise ValueError(f"rollout.temperature={r.temperature} must be a finite number > 0 (RL needs "
-                     f"sampled rollouts; evaluation is already greedy). For nearly greedy "
-                     f"rollouts use a small temperature such as 0.1, or --config.rollout.top_k=1")
-  if r.max_per_prompt < r.min_per_prompt:
-    raise ValueError(f"rollout.max_per_prompt={r.max_per_prompt} is smaller than "
-                     f"min_per_prompt={r.min_per_prompt}")
-  if r.root_budget < r.min_per_prompt * r.prompts_per_step:
-    raise ValueError(f"rollout.root_budget={r.root_budget} is smaller than min_per_prompt x "
-                     f"prompts_per_step = {r.min_per_prompt * r.prompts_per_step}")
-  if r.root_budget > r.max_per_prompt * r.prompts_per_step:
-    raise ValueError(f"rollout.root_budget={r.root_budget} is larger than max_per_prompt x "
-                     f"prompts_per_step = {r.max_per_prompt * r.prompts_per_step}")
-  if 0 < r.candidate_prompts < r.prompts_per_step:
-    raise ValueError(f"rollout.candidate_prompts={r.candidate_prompts} must be 0 or at least "
-                     f"prompts_per_step={r.prompts_per_step}")
-
-  # ---- RL, evaluation, checkpoints
-  _at_least(c, "rl.steps", 0, "(0 runs the warm start and the first evaluation only)")
-  _at_least(c, "rl.micro_batches", 1)
-  _at_least(c, "rl.train_rows", 1)
-  _at_least(c, "rl.predictor_fit_steps", 0)
-  _at_least(c, "rl.predictor_buffer_steps", 1)
-  _at_least(c, "rl.predictor_root_buffer_steps", 1)
-  _at_least(c, "rl.predictor_warm_steps", 0)
-  _at_least(c, "rl.predictor_warmup_steps", 0)
-  _at_least(c, "rl.eps_low", 0)
-  _at_least(c, "rl.eps_high", 0)
-  _at_least(c, "rl.kl_coef", 0)
-  _choice(c, "rl.advantage", ADVANTAGES)
-  _choice(c, "rl.predictor_weighting", ("uniform", "visits"))
-  _choice(c, "model.predictor_features", ("last", "last+prompt_mean"))
-  if not 0 <= c.world.trap_rate <= 1:
-    raise ValueError(f"world.trap_rate={c.world.trap_rate} must be in [0, 1]")
-  _at_least(c, "eval.every", 1)
-  _at_least(c, "eval.size", 1, "(an empty evaluation set has no accuracy)")
-  _at_least(c, "ckpt.every", 1)
-  _at_least(c, "ckpt.max_to_keep", 1)
-  if synthetic:
-    _at_least(c, "eval.probe_prompts", 1)
-    for k in ("num_traces", "batch_rows", "row_len"):
-      _at_least(c, f"sft.{k}", 1)
-    _at_least(c, "sft.steps", 0)
-  else:
-    _check_data_file(c, "data.train_path")
-    _check_data_file(c, "data.test_path")
-    from trace_jax.assets import check_model_dir  # names the file an incomplete directory lacks
-    check_model_dir(c.model.path, c.model.tokenizer_path)
-
-
-def _get(c, dotted):
-  for k in dotted.split("."):
-    c = c[k]
-  return c
-
-
-def _at_least(c, dotted, low, note=""):
-  v = _get(c, dotted)
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
-    raise ValueError(f"{dotted}={v!r} must be >= {low}" + (f" {note}" if note else ""))
-
-
-def _positive(c, dotted):
-  v = _get(c, dotted)
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-    raise ValueError(f"{dotted}={v!r} must be a finite number > 0")
-
-
-def _choice(c, dotted, choices):
-  if _get(c, dotted) not in choices:
-    raise ValueError(f"{dotted}={_get(c, dotted)!r}; choose one of {choices}")
-
-
-def _check_data_file(c, dotted):
-  path = _get(c, dotted)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{dotted}={path}: no such file")
-  if os.path.isdir(path):
-    raise IsADirectoryError(f"{dotted}={path}: a directory; give the data file itself")
-  if os.path.getsize(path) == 0:
-    raise ValueError(f"{dotted}={path}: the file is empty")
+  return convert.to_train_config(c)

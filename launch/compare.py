@@ -62,10 +62,13 @@ from campaign import (archive_dir, archive_run, finished_summary, one_per_run,  
 from seed_stats import (fmt as _fmt, fmt_welch, mean_of, stats as _stats,  # noqa: E402
                                   wasted_ratio, welch)
 
+from trace_jax.allocation import strategies  # noqa: E402
+
+# The campaign's arms, in the order a seed runs them (every registered strategy).
 METHODS = ("grpo", "dapo", "tree_grpo", "arpo", "root_only", "trace", "trace_tree")
 MAIN_METHODS = ("trace_tree", "trace", "grpo")  # get --seeds; the others --baseline_seeds
-ROOT_ONLY_METHODS = ("grpo", "dapo")            # no stage 2: one run serves both budget modes
-PREDICTED_METHODS = ("trace", "trace_tree", "root_only")
+# No stage 2: one run serves both budget modes.
+ROOT_ONLY_METHODS = tuple(m for m in METHODS if not strategies.get(m).has_stage2())
 
 REGIMES = {
     "default": {},
@@ -536,7 +539,7 @@ def plots(rows, recs_by_run, out_dir) -> list[str]:
 
   def anchor_depths(ax, cell):
     for m in methods:
-      if m not in PREDICTED_METHODS and m not in ("tree_grpo", "arpo"):
+      if m in ROOT_ONLY_METHODS:
         continue
       curves = []
       for run in runs_of(cell, m):

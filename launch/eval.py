@@ -71,11 +71,13 @@ def _fail(msg: str):
 
 
 def _run_config(workdir: str):
-  """The ConfigDict a run was trained with (its config.json)."""
-  from trace_jax.checkpoint import run_config
+  """The config a run was trained with (its config.json), as a ConfigDict to override."""
+  import ml_collections
+
+  from convert import load_run_config_dict  # configs/ is on sys.path
 
   try:
-    return run_config(workdir)
+    return ml_collections.ConfigDict(load_run_config_dict(workdir))
   except FileNotFoundError as e:
     _fail(str(e))
 
@@ -203,6 +205,11 @@ def main(argv):
   _check_retriever(_RETRIEVER.value)
   c = _run_config(_WORKDIR.value) if _WORKDIR.value else _hf_config(_MODEL_PATH.value)
   _apply_overrides(c)
+  from trace_jax.config import TrainConfig
+  try:
+    c = TrainConfig.from_dict(c.to_dict())
+  except ValueError as e:
+    _fail(str(e))
   step = _checkpoint_step(_WORKDIR.value, _STEP.value) if _WORKDIR.value else None
 
   import logging
@@ -211,13 +218,13 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
-  from trace_jax.envs import prompts
+  from trace_jax.envs import prompts, react
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.parallel import initialize, make_mesh, shard_state
   from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.sampling.engine import SamplerEngine
-  from trace_jax.sampling.config import sampler_config_from
+  from trace_jax.config import sampler_config
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   world_box = {}
@@ -230,7 +237,7 @@ def main(argv):
   # ---- mesh, tokenizer and model -----------------------------------------------------------------
   initialize()  # joins the other processes of a multi-host evaluation, if configured
   try:
-    mesh = make_mesh(c.get("mesh", "") or "data:-1")
+    mesh = make_mesh(c.mesh or "data:-1")
   except ValueError as e:
     _fail(f"mesh {c.mesh!r}: {e} (set --mesh, e.g. --mesh=data:-1)")
   pmesh = mesh if mesh.size > 1 else None
@@ -289,11 +296,12 @@ def main(argv):
   if longest >= c.env.max_seq_len:
     _fail(f"a prompt has {longest} tokens, not below max_seq_len={c.env.max_seq_len} "
           f"(raise --max_seq_len)")
-  scfg = sampler_config_from(c)  # evaluation is greedy whatever the temperature
+  scfg = sampler_config(c)  # evaluation is greedy whatever the temperature
   try:  # on a mesh as the train loop samples: pages and slots split over the data shards
     engine = SamplerEngine(graphdef, params, scfg, encode, decode,
                            TreeEnvAdapter(env, golds_key="answers"), eos_id,
-                           mesh=mesh if mesh.size > 1 else None)
+                           mesh=mesh if mesh.size > 1 else None,
+                           observation_close=react.INFO_CLOSE)
     engine.check_tree_fits(1, "a greedy rollout")
   except ValueError as e:
     _fail(f"sampler on mesh {dict(mesh.shape)}: {e}")

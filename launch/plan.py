@@ -211,9 +211,12 @@ def report(c) -> str:
 
 def main(argv):
   del argv
-  c = _CONFIG.value
-  if c is None:
+  if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/mhqa.py:qwen3_14b")
+  from trace_jax.config import TrainConfig
+
+  # Typed, not validated: a plan needs no checkpoint or data paths.
+  c = TrainConfig.from_dict(_CONFIG.value.to_dict())
   if _MESH.value:
     cfg = get_preset(c.model.preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
     p = _plan(cfg, _MESH.value, _settings(c))

@@ -30,9 +30,12 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: a new folder in runs/)")
 
 
-def main(argv):
+def main(argv, hooks=None):
+  """Trains the config given by --config (translated and validated by `configs/convert.py`);
+  `hooks` (`trace_jax.train.Hooks`) wrap the run's parts, for callers that run this main with
+  their own instrumentation (tests/faults.py)."""
   del argv
-  import mhqa  # the config module, for validation of paths and budgets
+  import convert  # configs/convert.py: ConfigDict -> the library's TrainConfig
 
   from trace_jax.train import Diverged, Preempted, train
 
@@ -42,7 +45,7 @@ def main(argv):
   if _WORKDIR.value:
     c.workdir = _WORKDIR.value
   try:
-    train(c, validate_fn=mhqa.validate)
+    train(convert.to_train_config(c), hooks)
   except Preempted as e:
     print(f"[trace_jax] preempted: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_PREEMPTED)

@@ -258,12 +258,12 @@ def test_token_advantages_gathers_per_node_values():
 
 def test_each_baseline_trains_with_its_own_advantage():
   from trace_jax.rl.batch import ADVANTAGES
-  from trace_jax.allocation.strategies import STRATEGIES, advantage_for
+  from trace_jax.allocation.strategies import advantage_for, names
   assert advantage_for("tree_grpo", "tree_contrastive") == "tree_grpo"
   assert advantage_for("arpo", "tree_contrastive") == "grpo"
   assert advantage_for("grpo", "treerl") == "grpo" and advantage_for("dapo", "treerl") == "grpo"
   for m in ("trace", "trace_tree", "root_only"):
     assert advantage_for(m, "treerl") == "treerl"
-  assert all(advantage_for(m, "tree_contrastive") in ADVANTAGES for m in STRATEGIES)
+  assert all(advantage_for(m, "tree_contrastive") in ADVANTAGES for m in names())
   with pytest.raises(ValueError, match="unknown strategy"):
     advantage_for("nope", "grpo")

@@ -11,6 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from trace_jax.allocation import allocators as alloc
 from trace_jax.allocation import strategies as strat
+from trace_jax.allocation.strategies import base as strat_base
+from trace_jax.allocation.strategies.tree_grpo import tree_grpo_counts
 
 _SETTINGS = settings(deadline=None, max_examples=40, derandomize=True)
 _probs = st.floats(0.0, 1.0, allow_nan=False, width=32)
@@ -270,65 +272,47 @@ def test_blend_with_outcomes():
   np.testing.assert_allclose(alloc.blend_with_outcomes(0.3, 0.0, 0.0, 0.0), 0.3)
 
 
-# Baseline strategies.
+# Strategies: the registry and the rules the baselines run with.
 
 
 def test_strategy_registry():
-  assert set(strat.ROOT_ALLOCATION) == set(strat.STRATEGIES) == set(strat.PREFIX_ALLOCATION)
-  for name in strat.STRATEGIES:
-    assert name in strat.__doc__ and strat.validate_strategy(name) == name
+  assert strat.names() == ("trace", "trace_tree", "root_only", "grpo", "dapo", "tree_grpo", "arpo")
+  for name in strat.names():
+    assert name in strat.__doc__ and strat.get(name).name == name
   with pytest.raises(ValueError, match="unknown strategy"):
-    strat.validate_strategy("ppo")
+    strat.get("ppo")
+  assert [m for m in strat.names() if not strat.get(m).has_stage2()] == ["grpo", "dapo"]
+  assert strat.advantage_for("tree_grpo", "tree_contrastive") == "tree_grpo"
+  assert strat.advantage_for("trace_tree", "treerl") == "treerl"
 
 
 def test_uniform_roots():
-  np.testing.assert_array_equal(strat.uniform_roots(4, 10), [3, 3, 2, 2])
-  np.testing.assert_array_equal(strat.uniform_roots(3, 6), [2, 2, 2])
+  np.testing.assert_array_equal(strat_base.uniform_roots(4, 10), [3, 3, 2, 2])
+  np.testing.assert_array_equal(strat_base.uniform_roots(3, 6), [2, 2, 2])
 
 
-def test_dapo_select_drops_uniform_groups_and_charges_them():
-  rewards = jnp.array([[1, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 1], [0.5, 0.5, 0.0]], jnp.float32)
-  valid = jnp.array([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], bool)
-  costs = jnp.arange(15, dtype=jnp.float32).reshape(5, 3)
-  sel = strat.dapo_select(rewards, valid, costs)
-  np.testing.assert_array_equal(sel.keep, [False, True, False, True, False])  # Last: valid 0.5s.
-  assert int(sel.num_uniform) == 3 and int(sel.num_dropped) == 3
-  assert int(sel.dropped_rollouts) == 3 + 2 + 2
-  np.testing.assert_allclose(sel.dropped_cost, (0 + 1 + 2) + (6 + 7) + (12 + 13))
-  sel = jax.jit(strat.dapo_select, static_argnames="max_groups")(rewards, valid, max_groups=1)
-  np.testing.assert_array_equal(sel.keep, [False, True, False, False, False])
-  assert int(sel.num_dropped) == 4 and int(sel.dropped_rollouts) == 10
-  assert float(sel.dropped_cost) == 10.0  # One per sample without costs.
+def test_tree_grpo_counts_spread_over_trees_distinct_anchors_and_uniform():
+  """Each tree gets its share; within a tree distinct anchors first, each equally likely."""
+  cands = [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2)]
+  k = tree_grpo_counts(np.random.default_rng(0), cands, 4, cap=4)
+  assert k.sum() == 4 and k[:3].sum() == 2 and k[3:].sum() == 2 and k.max() == 1
+  k = tree_grpo_counts(np.random.default_rng(1), cands, 9, cap=2)  # caps bind: shares pass on
+  assert k.sum() == 9 and k.max() <= 2
+  hits = sum(tree_grpo_counts(np.random.default_rng(s), cands[:3], 1, cap=1) for s in range(600))
+  assert hits.min() > 150  # each of 3 anchors ~200 times
 
 
-def test_random_anchors_distinct_valid_and_uniform():
-  valid = jnp.array([True, False, True, True, False, True])
-  f = jax.jit(strat.random_anchors, static_argnums=(2, 3))
-  k = np.asarray(f(jax.random.key(0), valid, 2, 3))
-  assert k.sum() == 6 and set(np.unique(k)) <= {0, 3} and np.all(k[~np.asarray(valid)] == 0)
-  k = np.asarray(f(jax.random.key(1), valid, 10, 1))  # More asked than valid: each valid once.
-  np.testing.assert_array_equal(k, np.asarray(valid, int))
-  hits = sum(np.asarray(f(jax.random.key(s), valid, 1, 1)) for s in range(400))
-  assert hits[~np.asarray(valid)].sum() == 0 and hits[np.asarray(valid)].min() > 70
-
-
-def test_entropy_anchors():
-  ent = jnp.array([0.1, 2.0, 1.5, 3.0, 0.9])
-  valid = jnp.array([True, True, True, False, True])
-  np.testing.assert_array_equal(strat.entropy_anchors(ent, valid, threshold=1.0), [0, 1, 1, 0, 0])
-  np.testing.assert_array_equal(strat.entropy_anchors(ent, valid, top_n=2, branches_per_anchor=2),
-                                [0, 2, 2, 0, 0])
-  np.testing.assert_array_equal(strat.entropy_anchors(ent, valid, threshold=1.8, top_n=2),
-                                [0, 1, 0, 0, 0])
-  with pytest.raises(ValueError):
-    strat.entropy_anchors(ent, valid)
+def test_round_robin_caps_and_joins_the_next():
+  k = strat_base.round_robin([3, 1, 0, 2], 4, budget=5, cap=2, first=2)
+  np.testing.assert_array_equal(k, [1, 2, 0, 2])  # 3 and 1 full at 2 each, then 0 joins
+  np.testing.assert_array_equal(strat_base.round_robin([0, 1], 2, budget=9, cap=2), [2, 2])
 
 
 def test_uniform_prefixes():
   valid = jnp.array([False, True, True, False, True])
-  np.testing.assert_array_equal(strat.uniform_prefixes(valid, 7), [0, 3, 2, 0, 2])
-  np.testing.assert_array_equal(strat.uniform_prefixes(jnp.zeros(3, bool), 5), [0, 0, 0])
-  k = np.asarray(jax.jit(strat.uniform_prefixes)(valid, 4, jax.random.key(3)))
+  np.testing.assert_array_equal(strat_base.uniform_prefixes(valid, 7), [0, 3, 2, 0, 2])
+  np.testing.assert_array_equal(strat_base.uniform_prefixes(jnp.zeros(3, bool), 5), [0, 0, 0])
+  k = np.asarray(jax.jit(strat_base.uniform_prefixes)(valid, 4, jax.random.key(3)))
   assert k.sum() == 4 and sorted(k[[1, 2, 4]]) == [1, 1, 2] and k[0] == k[3] == 0
 
 

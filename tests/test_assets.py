@@ -10,9 +10,11 @@ import mhqa  # noqa: E402
 
 from trace_jax import assets  # noqa: E402
 from trace_jax.assets import sft_seed, warm_start_key  # noqa: E402
+from trace_jax.config import TrainConfig  # noqa: E402
 
 
-def _cfg(**overrides):
+def _cfg(**overrides) -> TrainConfig:
+  """The smoke config with `section__field=value` overrides, typed (not validated)."""
   c = mhqa.get_config("smoke")
   for dotted, v in overrides.items():
     node = c
@@ -20,7 +22,7 @@ def _cfg(**overrides):
     for k in path:
       node = node[k]
     node[last] = v
-  return c
+  return TrainConfig.from_dict(c.to_dict())
 
 
 def test_the_run_seed_picks_the_warm_start_unless_sft_seed_is_set():
@@ -59,16 +61,14 @@ def test_train_hops_filters_training_questions_only():
 def test_test_questions_say_whether_their_entity_was_seen_in_training(tmp_path):
   """Each world test question carries `entity_seen`: its start entity is in some train question's
   chain (the names the expert traces write). Held-out EM is reported for both halves."""
-  c = mhqa.get_config("smoke")
-  c.world.cache_dir = str(tmp_path)
-  a = assets.load_world_assets(c)
+  a = assets.load_world_assets(_cfg(world__cache_dir=str(tmp_path)))
   seen = {x for e in a.world.train for x in e.meta["chain"]}
   assert all(e["entity_seen"] == (e["meta"]["chain"][0] in seen) for e in a.test)
   assert 0 < sum(e["entity_seen"] for e in a.test) < len(a.test)  # both halves exist
   assert all("entity_seen" not in e for e in a.train)
 
 
-def test_trap_rate_keys_its_own_world_and_warm_start():
+def test_trap_rate_keys_its_own_world_and_warm_start(tmp_path):
   """`world.trap_rate` at the world's default keeps the caches of every earlier run (same world
   directory, same warm-start key); another rate gets its own world and warm start."""
   import pytest
@@ -77,10 +77,16 @@ def test_trap_rate_keys_its_own_world_and_warm_start():
   from trace_jax.envs.synthetic import SyntheticWorldConfig
 
   assert mhqa.DEFAULT_TRAP_RATE == SyntheticWorldConfig.trap_rate
+  import json
+
+  import convert
+
   base = _cfg()
-  legacy = _cfg()
-  del legacy.world["trap_rate"]  # a config from before the option
-  assert warm_start_key(base) == warm_start_key(legacy)
+  saved = base.to_dict()
+  del saved["world"]["trap_rate"]  # a run's config.json from before the option
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  legacy = convert.load_run_config(str(tmp_path))
+  assert legacy == base and warm_start_key(base) == warm_start_key(legacy)
   assert world_dir_name(base) == world_dir_name(legacy) == "world-seed0"
   harder = _cfg(world__trap_rate=0.9)
   assert warm_start_key(harder) != warm_start_key(base)

@@ -15,7 +15,9 @@ from flax import nnx
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.allocation.driver import DriverConfig, RolloutDriver
 from trace_jax.sampling.engine import SamplerConfig, SamplerEngine
-from trace_jax.allocation.strategies import PREFIX_ALLOCATION, ROOT_ALLOCATION, STRATEGIES
+from trace_jax.allocation import strategies
+from trace_jax.allocation.strategies.base import remaining_cost
+from trace_jax.allocation.strategies.predicted import anchor_estimates, forced_slots
 from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv
 from trace_jax.sampling.tree import Tree
 
@@ -69,8 +71,8 @@ def sampled(engine, request):
   return _CACHE[(method, use_pred)]
 
 
-CASES = [(m, u) for m in STRATEGIES for u in (True, False)
-         if u or ROOT_ALLOCATION[m] == "predicted"]
+CASES = [(m, u) for m in strategies.names() for u in (True, False)
+         if u or strategies.get(m).reads_predictor]
 TWO_STAGE = [c for c in CASES if c[0] != "dapo"]
 
 
@@ -105,7 +107,6 @@ def test_equal_budget_and_fork_sites(sampled):
     assert len(t.leaves()) == len(t.root.children) + sum(
         len(n.children) - 1 for n in t.nodes[1:] if n.children)
     if len(t.root.children) > t.meta["stage1_rollouts"]:
-      assert PREFIX_ALLOCATION[t.meta.get("method", "trace")].startswith("predicted")
       stage1 = [x.reward for x in t.leaves() if x.rollout < t.meta["stage1_rollouts"]]
       assert len(set(r > 0.5 for r in stage1)) == 1  # only unmixed trees
   assert info["continuations_at_roots"] == sum(len(t.root.children) - t.meta["stage1_rollouts"]
@@ -118,7 +119,7 @@ def test_equal_budget_and_fork_sites(sampled):
 def test_root_counts(sampled, request):
   method, use_pred = request.node.callspec.params["sampled"]
   m = _root_counts(sampled.trees)
-  if ROOT_ALLOCATION[method] != "predicted":
+  if not strategies.get(method).reads_predictor:
     want = ROOT_BUDGET + (PREFIX_BUDGET if method == "grpo" else 0)
     assert sum(m) == want and max(m) - min(m) <= 1  # uniform
     assert _extra_branches(sampled.trees) == 0 or method != "grpo"
@@ -135,8 +136,8 @@ def test_root_counts(sampled, request):
 def test_predictions_and_p_hat(sampled, request):
   method, use_pred = request.node.callspec.params["sampled"]
   trees, preds = sampled.trees, sampled.predictions
-  predicted_roots = ROOT_ALLOCATION[method] == "predicted"
-  predicted_prefixes = PREFIX_ALLOCATION[method].startswith("predicted")
+  predicted_roots = strategies.get(method).reads_predictor
+  predicted_prefixes = method in ("trace", "trace_tree")  # stage 2 reads p̂ at the anchors
   if not use_pred or not predicted_roots:
     assert preds == []
     assert all(t.root.p_hat is None for t in trees)
@@ -216,7 +217,8 @@ def _chains(n, depth=2):
   return t
 
 
-@pytest.mark.parametrize("method", [m for m in STRATEGIES if PREFIX_ALLOCATION[m] != "none"])
+@pytest.mark.parametrize("method", [m for m in strategies.names()
+                                    if strategies.get(m).has_stage2()])
 @pytest.mark.parametrize("num_candidates", [3, 5, 14])
 def test_stage2_spends_whole_prefix_budget(method, num_candidates):
   """With room for it (candidates x max_per_anchor >= budget), stage 2 spends the whole budget,
@@ -225,11 +227,11 @@ def test_stage2_spends_whole_prefix_budget(method, num_candidates):
   trees = [_chains(num_candidates)]
   driver = RolloutDriver(None, DriverConfig(method=method, prefix_budget=6, max_per_anchor=4),
                          predict, prompt_features)
-  cands = driver._candidates(trees)
+  cands = driver.candidates(trees)
   assert len(cands) == num_candidates
-  k, _ = driver._prefix_counts(trees, cands, use_predictor=False)
+  k, _ = driver.prefix_counts(trees, cands, use_predictor=False)
   assert int(np.sum(k)) == 6
-  if PREFIX_ALLOCATION[method] in ("predicted", "predicted_tree_aware", "uniform"):
+  if method in ("trace", "trace_tree", "root_only"):
     assert np.all(np.asarray(k) <= 4)  # max_per_anchor (the baselines branch by their own rule)
 
 
@@ -323,7 +325,8 @@ def test_hard_slots_take_the_lowest_p_hat_prompts(engine):
                          predict, features, seed=3)
   p_hat = np.array([0.9, 0.02, 0.5, 0.01, 0.7, 0.3], np.float32)
   for _ in range(5):
-    seen, slots = driver._forced_slots(p_hat, 4)
+    seen, slots = forced_slots(p_hat, 4, driver.cfg.hard_prompts, driver.cfg.explore_prompts,
+                               driver.rng)
     assert slots["hard"].tolist() == [1, 3]
     assert len(slots["explored"]) == 2 and not set(slots["explored"]) & {1, 3}
     forced = np.concatenate([slots["hard"], slots["explored"]])
@@ -346,7 +349,8 @@ def test_hard_slots_apply_when_every_prompt_is_taken(engine):
   for hard in (0, 1):
     cfg = DriverConfig(method="trace_tree", hard_prompts=hard, **dict(CFG, max_per_prompt=6))
     driver = RolloutDriver(engine, cfg, predict, features, seed=0)
-    m, p_hat, _, _, slots = driver._root_counts(examples, use_predictor=True)
+    plan = driver.root_plan(examples, use_predictor=True)
+    m, p_hat, slots = plan.counts, plan.p_hat, plan.slots
     assert m.sum() == ROOT_BUDGET and p_hat[2] < 0.01
     assert slots["hard"].tolist() == ([2] if hard else [])
     counts[hard] = m.tolist()
@@ -400,7 +404,7 @@ def test_remaining_cost_averages_over_rollouts_that_pass_the_depth():
   t = Tree([1, 2])
   _chain(t, [2, 3, 4], 0.0)
   _chain(t, [5], 1.0)
-  cost = RolloutDriver._remaining_cost([t])
+  cost = remaining_cost([t])
   assert cost == {0: pytest.approx(7.0), 1: pytest.approx(7.0), 2: pytest.approx(4.0)}
 
 
@@ -421,15 +425,15 @@ def test_ranking_per_rollout_or_per_token(unit, want):
   cfg = DriverConfig(method="trace", prefix_budget=1, max_per_anchor=1, budget_unit=unit,
                      anchor_posterior=False, root_anchors=False)
   driver = RolloutDriver(None, cfg, predict, prompt_features)
-  cands = driver._candidates(trees)
+  cands = driver.candidates(trees)
   assert [nid for _, nid in cands] == [1, 2]
-  k, p = driver._prefix_counts(trees, cands, use_predictor=True)
+  k, p = driver.prefix_counts(trees, cands, use_predictor=True)
   np.testing.assert_allclose(p, [0.5, 0.2], atol=1e-5)
   assert k.tolist() == want
   # cost_aware=False ranks by gain alone also under a token budget.
   driver = RolloutDriver(None, dataclasses.replace(cfg, cost_aware=False), predict,
                          prompt_features)
-  assert driver._prefix_counts(trees, cands, use_predictor=True)[0].tolist() == [1, 0]
+  assert driver.prefix_counts(trees, cands, use_predictor=True)[0].tolist() == [1, 0]
 
 
 def test_root_is_an_anchor_of_unmixed_trees_only():
@@ -448,15 +452,15 @@ def test_root_is_an_anchor_of_unmixed_trees_only():
   cfg = DriverConfig(method="trace_tree", prefix_budget=1, max_per_anchor=1,
                      anchor_posterior=False)
   driver = RolloutDriver(None, cfg, predict, prompt_features)
-  cands = driver._candidates(trees)
+  cands = driver.candidates(trees)
   assert (0, 0) in cands and (1, 0) not in cands
-  k, _ = driver._prefix_counts(trees, cands, use_predictor=True)
+  k, _ = driver.prefix_counts(trees, cands, use_predictor=True)
   assert k[cands.index((0, 0))] == 1 and k.sum() == 1
   for method in ("root_only", "tree_grpo", "arpo"):
     d = RolloutDriver(None, dataclasses.replace(cfg, method=method), predict, prompt_features)
-    assert all(nid != 0 for _, nid in d._candidates(trees))
+    assert all(nid != 0 for _, nid in d.candidates(trees))
   d = RolloutDriver(None, dataclasses.replace(cfg, root_anchors=False), predict, prompt_features)
-  assert all(nid != 0 for _, nid in d._candidates(trees))
+  assert all(nid != 0 for _, nid in d.candidates(trees))
 
 
 def test_anchor_estimates_use_the_trees_own_outcomes():
@@ -468,13 +472,13 @@ def test_anchor_estimates_use_the_trees_own_outcomes():
   for r in range(4):
     _chain(t, [3, 3], 0.0, p_hats=[1 / (1 + np.exp(-1.0))], rollout=r)
   driver = RolloutDriver(None, DriverConfig(method="trace"), predict, prompt_features)
-  cands = driver._candidates([t])
-  p, _ = driver._estimates([t], cands, use_predictor=True)
+  cands = driver.candidates([t])
+  p, _ = anchor_estimates(driver, [t], cands, use_predictor=True)
   want_anchor = 1 / (1 + np.exp(-(_logit(0.25) + 1.0)))
   np.testing.assert_allclose(p, [0.25] + [want_anchor] * 4, atol=1e-5)
   off = RolloutDriver(None, DriverConfig(method="trace", anchor_posterior=False), predict,
                       prompt_features)
-  np.testing.assert_allclose(off._estimates([t], cands, use_predictor=True)[0],
+  np.testing.assert_allclose(anchor_estimates(off, [t], cands, use_predictor=True)[0],
                              [0.5] + [1 / (1 + np.exp(-1.0))] * 4, atol=1e-5)
 
 
@@ -487,7 +491,7 @@ def test_tokens_budget_buys_more_short_continuations_for_baselines():
   for method in ("root_only", "tree_grpo", "arpo"):
     cfg = DriverConfig(method=method, prefix_budget=4, max_per_anchor=4, budget_unit="tokens")
     d = RolloutDriver(None, cfg, predict, prompt_features)
-    k, _ = d._prefix_counts(trees, d._candidates(trees), use_predictor=False)
+    k, _ = d.prefix_counts(trees, d.candidates(trees), use_predictor=False)
     assert int(np.sum(k)) == 8, method
 
 
@@ -500,8 +504,8 @@ def test_arpo_branches_by_entropy_rise_and_respects_the_cap():
     _chain(t, [2, 2], float(c % 2), rollout=c, entropies=[10.0 - c, 10.0])
   cfg = DriverConfig(method="arpo", prefix_budget=6, max_per_anchor=2, arpo_entropy_top=0.25)
   d = RolloutDriver(None, cfg, predict, prompt_features)
-  cands = d._candidates([t])
-  k = d._prefix_counts([t], cands, use_predictor=False)[0]
+  cands = d.candidates([t])
+  k = d.prefix_counts([t], cands, use_predictor=False)[0]
   by_chain = [int(k[j]) for j in range(8)]
   assert by_chain == [0, 0, 0, 0, 0, 2, 2, 2], by_chain
 
@@ -513,8 +517,8 @@ def test_tree_grpo_expands_every_tree():
   cfg = DriverConfig(method="tree_grpo", prefix_budget=4, max_per_anchor=4)
   d = RolloutDriver(None, cfg, predict, prompt_features, seed=3)
   trees = [small, big]
-  cands = d._candidates(trees)
-  k = d._prefix_counts(trees, cands, use_predictor=False)[0]
+  cands = d.candidates(trees)
+  k = d.prefix_counts(trees, cands, use_predictor=False)[0]
   per_tree = [sum(int(kk) for (ti, _), kk in zip(cands, k) if ti == i) for i in range(2)]
   assert per_tree == [2, 2]
   assert max(int(kk) for (ti, _), kk in zip(cands, k) if ti == 1) == 1  # distinct anchors first

@@ -181,12 +181,12 @@ def test_retriever_failure_becomes_error_observation():
 
 
 def test_injected_retriever_errors_fail_the_first_calls_of_one_process_only():
-  from trace_jax.assets import FailingRetriever, _process_fault
-  assert _process_fault("", "f") is None and _process_fault("0:2", "f") == "2"
-  assert _process_fault("1:2", "f") is None  # another process's fault (this is process 0)
+  from faults import FailingRetriever, process_fault  # tests/faults.py
+  assert process_fault("", "f", 0) is None and process_fault("0:2", "f", 0) == "2"
+  assert process_fault("1:2", "f", 0) is None  # another process's fault (this is process 0)
   for bad in ("2", "a:1", "0:x", "-1:2"):
     with pytest.raises(ValueError, match="expected PROCESS:VALUE"):
-      _process_fault(bad, "env.inject_retriever_errors")
+      process_fault(bad, "retriever_errors", 0)
   ret = FakeRetriever()
   env = MultiHopEnv(FailingRetriever(ret, 2), "em", max_turns=4, topk=1)
   s = env.reset(["Orsk"])

@@ -42,8 +42,11 @@ def launch_pair(base, args, process1_args=(), timeout=900, name="pair"):
     log = open(os.path.join(base, f"{name}-process{i}.log"), "w+")
     logs.append(log)
     extra = list(process1_args) if i == 1 else []
+    # A process given fault flags runs the training main through tests/faults.py.
+    script = os.path.join(ROOT, "tests", "faults.py") if extra else \
+        os.path.join(ROOT, "launch", "train.py")
     procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "launch", "train.py"), *args, *extra], cwd=ROOT,
+        [sys.executable, script, *args, *extra], cwd=ROOT,
         env=env, stdout=log, stderr=subprocess.STDOUT))
   deadline = time.time() + timeout
   try:
@@ -77,7 +80,7 @@ def pair(tmp_path_factory):
   base = str(tmp_path_factory.mktemp("multiprocess"))
   t0 = time.time()
   # Process 1's first tool call hangs for 35 s: process 0 waits for it at the next gather.
-  first = launch_pair(base, _smoke_pair_args(base, 2), [f"--config.env.inject_stall=1:{STALL_S}"],
+  first = launch_pair(base, _smoke_pair_args(base, 2), [f"--stall=1:{STALL_S}"],
                       name="steps2")
   print(f"two-process smoke run {time.time() - t0:.0f}s")
   return dict(base=base, workdir=os.path.join(base, "run"), first=first,

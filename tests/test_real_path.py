@@ -27,7 +27,7 @@ from test_multiprocess_train import launch_pair
 from test_train_smoke import ROOT, launch
 
 MESH = "data:2,fsdp:2,tensor:2"
-FAILED_SEARCHES = 2  # process 1's first retriever calls that fail (env.inject_retriever_errors)
+FAILED_SEARCHES = 2  # process 1's first retriever calls that fail (tests/faults.py)
 
 
 # ---- the retrieval server ------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def real_run(tmp_path_factory):
     workdir = os.path.join(base, "run")
     t = time.time()
     first = launch_pair(base, train_args(assets, server.url, workdir, 2),
-                        [f"--config.env.inject_retriever_errors=1:{FAILED_SEARCHES}"],
+                        [f"--retriever_errors=1:{FAILED_SEARCHES}"],
                         name="steps2")
     recs2, summary2 = _records(workdir), json.load(open(os.path.join(workdir, "summary.json")))
     times["train"] = time.time() - t

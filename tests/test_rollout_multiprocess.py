@@ -6,13 +6,15 @@ the same trees with the same uids (rng streams), forks on the returned trees, th
 every page freed by `release`, and weights copied through `update_params` unchanged.
 """
 
+import pickle
+
 import jax
 import numpy as np
 from flax import nnx
 
 from test_sampler import PROMPTS, leaf_sequences, make_engine, model  # noqa: F401 (fixture)
 from trace_jax.parallel import allgather_object, local_mesh, make_mesh
-from trace_jax.sampling.multiprocess import ProcessShardedEngine, _portable
+from trace_jax.sampling.multiprocess import ProcessShardedEngine
 from trace_jax.sampling.engine import ForkRequest, PromptRequest
 
 
@@ -39,9 +41,11 @@ def test_one_process_wrapper_equals_the_engine(model):  # noqa: F811
   assert leaf_sequences(b) == leaf_sequences(a)
   assert wrapped.ledger.as_dict() == plain.ledger.as_dict()
   np.testing.assert_allclose(wrapped.prompt_features(PROMPTS), plain.prompt_features(PROMPTS))
-  # A tree travels without its KV pages; the original keeps them.
-  c = _portable(b[0])
-  assert c._page_refs == [] and c._kv == {} and b[0]._page_refs and len(c.nodes) == len(b[0].nodes)
+  # A tree is plain data: it travels to another process without the engine's record of its KV
+  # pages, which stays with its owner's engine.
+  c = pickle.loads(pickle.dumps(b[0]))
+  assert set(vars(c)) == {"uid", "meta", "nodes"} and len(c.nodes) == len(b[0].nodes)
+  assert inner.tree_state(b[0]).page_refs and wrapped.tree_state(b[0]).kv
   wrapped.release(b)
   assert inner.alloc.num_free == free0 and not inner.alloc.refcount.any()
   # Weights from the (here one-device) global mesh come back unchanged in the sampling layout.

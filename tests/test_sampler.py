@@ -159,7 +159,7 @@ def test_checkpoint_rollback_drops_a_round_of_forks(model):
   engine.rollback(tree, mark)
   assert engine.alloc.num_free == free and len(tree.nodes) == mark[0]
   assert all(c < mark[0] for n in tree.nodes for c in n.children)
-  tree._nbranches = 2  # replay the same branch keys: the same continuations come back
+  engine.tree_state(tree).branches = 2  # replay the same branch keys: the same continuations
   engine.run([(tree, a, 2) for a in anchors])
   assert leaf_sequences([tree]) == first
   engine.release()
@@ -215,20 +215,27 @@ def test_sample_tokens():
 
 
 def test_observation_cut_by_room_keeps_closing_tag():
-  # A cut for lack of room (max_seq_len) keeps `</information>` last, like the env's token cap.
+  # A cut for lack of room (max_seq_len) keeps the caller's closing marker last, like the env's
+  # token cap; without a marker (the default) it is a plain prefix.
+  import functools
   import types
-  from trace_jax.envs import react
   vocab = {}
   enc = lambda s: [vocab.setdefault(w, len(vocab)) for w in s.replace("<", " <").split()]  # noqa
-  fake = types.SimpleNamespace(encode=enc)
   text = "<information> a b c d e f g h i j </information>"
-  fit = SamplerEngine._fit_observation
-  assert fit(fake, text, 100) == enc(text)  # fits: untouched
-  close = enc(react.INFO_CLOSE)
-  cut = fit(fake, text, 6)
+  engine = types.SimpleNamespace(encode=enc, observation_close="</information>")
+  fit = functools.partial(SamplerEngine._fit_observation, engine)
+  assert fit(text, 100) == enc(text)  # fits: untouched
+  close = enc("</information>")
+  cut = fit(text, 6)
   assert len(cut) == 6 and cut[-len(close):] == close and cut[:5] == enc(text)[:5]
-  assert fit(fake, "plain words only here", 2) == enc("plain words")  # no tag: plain prefix
-  assert fit(fake, text, 0) == []
+  assert fit("plain words only here", 2) == enc("plain words")  # no tag: plain prefix
+  assert fit(text, 0) == []
+  engine.observation_close = ""  # no marker named: a plain prefix
+  assert fit(text, 6) == enc(text)[:6]
+  # The environments' protocol helper is this one (no second copy of the cut).
+  from trace_jax.envs import react
+  from trace_jax.sampling.observation import truncate_observation
+  assert react.truncate_observation is truncate_observation
 
 
 def test_multi_step_decode_equals_one_step_per_call(model):

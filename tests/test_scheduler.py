@@ -24,13 +24,13 @@ def turn_limit(tree, rollout, depth):
   return int(2 + rng.pareto(1.2) * 3)
 
 
-def make_engine(model, slots=8):
+def make_engine(model, slots=8, record_steps=100_000):
   cfg = SamplerConfig(num_slots=slots, page_size=8, num_pages=2048, max_seq_len=192,
                       max_turn_tokens=24, max_obs_tokens=8, max_turns=6, prefill_chunk=(16,),
                       page_buckets=(24,), seed=1)
   return SamplerEngine(model[0], model[1], cfg, TOK.encode, TOK.decode,
                        LongTailEnv(V, seed=0, mean_turns=1.0, max_turns=6), eos_id=None,
-                       stop_strings=(), turn_limit_fn=turn_limit)
+                       stop_strings=(), turn_limit_fn=turn_limit, record_steps=record_steps)
 
 
 def requests(n_prompts=12, n=4):
@@ -55,8 +55,9 @@ def test_modes_sample_the_same_trees_and_affinity_holds(model):
   sets = [leaf_sets(r[1]) for r in runs.values()]
   assert all(x == sets[0] for x in sets)
   engine, trees, report = runs["w4"]
-  worker = {t.uid: t.worker for t in trees}
+  worker = {t.uid: engine.tree_state(t).worker for t in trees}
   assert sorted(set(worker.values())) == [0, 1, 2, 3]
+  assert len(engine.starts) == engine.ledger.rollouts_started
   assert all(engine.slot_worker[slot] == worker[uid] for slot, uid in engine.starts)
   assert report.num_workers == 4 and len(report.worker_utilization) == 4
   # Synchronous turns idle the slots waiting for the slowest turn; continuous refill does not.
@@ -73,13 +74,31 @@ def test_forks_stay_with_their_worker(model):
   engine = make_engine(model)
   trees, _ = run_task_affine(engine, requests(6, 2), 3)
   n_starts = len(engine.starts)
+  worker0 = {t.uid: engine.tree_state(t).worker for t in trees}
   forks = [(t, a.id, 2) for t in trees for a in t.anchors()[:2]]
   trees2, report = run_task_affine(engine, forks, 3)
-  worker = {t.uid: t.worker for t in trees2}
-  assert all(engine.slot_worker[slot] == worker[uid] for slot, uid in engine.starts[n_starts:])
+  worker = {t.uid: engine.tree_state(t).worker for t in trees2}
+  assert all(worker[uid] == worker0[uid] for uid in worker)
+  assert len(engine.starts) > n_starts
+  assert all(engine.slot_worker[slot] == worker[uid]
+             for slot, uid in list(engine.starts)[n_starts:])
   assert report.decode_steps > 0
   engine.release()
   assert engine.alloc.num_free == engine.alloc.capacity
+
+
+def test_step_log_is_opt_in_and_bounded(model):
+  # Off by default (a training run never reads it); on, it keeps the last `record_steps` rows.
+  off = make_engine(model, record_steps=0)
+  off.run(requests(2, 2))
+  assert off.ledger.decode_steps > 0 and not off.step_log and not off.starts
+  with pytest.raises(ValueError, match="record_steps"):
+    run_task_affine(off, requests(2, 2))
+  small = make_engine(model, record_steps=5)
+  small.run(requests(4, 2))  # 8 branch starts, more decode steps
+  assert small.ledger.decode_steps > 5 and len(small.step_log) == len(small.starts) == 5
+  with pytest.raises(RuntimeError, match="larger record_steps"):  # not a report on part of a run
+    run_task_affine(small, requests(2, 2))
 
 
 def test_utilization_report_arithmetic(model):

@@ -34,8 +34,10 @@ def launch_env(devices: int = 1) -> dict:
 
 
 def launch(script, *args, timeout=600, devices=1):
-  """Runs a launch script; returns the CompletedProcess (stdout and stderr joined)."""
-  return subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), *args], cwd=ROOT,
+  """Runs a launch script (a name in launch/, or a path from the repository root such as
+  tests/faults.py); returns the CompletedProcess (stdout and stderr joined)."""
+  path = os.path.join(ROOT, script) if "/" in script else os.path.join(ROOT, "launch", script)
+  return subprocess.run([sys.executable, path, *args], cwd=ROOT,
                         env=launch_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True, timeout=timeout)
 

@@ -84,12 +84,10 @@ def build_retriever(c, world=None):
   if kind == "http":
     from trace_jax.envs.http_retriever import HTTPRetriever
     r = c.retriever
-    retriever = HTTPRetriever(r.url, batch_size=r.get("batch_size", 64),
-                              timeout_s=r.get("timeout_s", 10.0), max_retries=r.get("retries", 2),
-                              backoff_s=r.get("backoff_s", 0.5),
-                              max_backoff_s=r.get("max_backoff_s", 4.0),
-                              concurrency=r.get("concurrency", 1))
-    if r.get("health_check", True):
+    retriever = HTTPRetriever(r.url, batch_size=r.batch_size, timeout_s=r.timeout_s,
+                              max_retries=r.retries, backoff_s=r.backoff_s,
+                              max_backoff_s=r.max_backoff_s, concurrency=r.concurrency)
+    if r.health_check:
       check_retriever_health(retriever)
     return retriever
   raise ValueError(f"retriever.kind={kind!r}; choose world, bm25 or http")
@@ -121,76 +119,15 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
   return info
 
 
-class FailingRetriever:
-  """A retriever whose first `count` searches raise `RetrieverError` (fault injection: a tool that
-  fails on one host after its retries); otherwise the wrapped retriever."""
-
-  def __init__(self, retriever, count: int):
-    self.retriever, self.left = retriever, count
-
-  def search(self, queries, k):
-    from trace_jax.envs.http_retriever import RetrieverError
-    if self.left > 0:
-      self.left -= 1
-      print(f"[trace_jax] injected retriever error ({self.left} more to come)", flush=True)
-      raise RetrieverError("injected retriever error")
-    return self.retriever.search(queries, k)
-
-  def __getattr__(self, name):
-    return getattr(self.__dict__["retriever"], name)
-
-
-class StallOnce:
-  """An environment whose first step stalls `seconds` (fault injection: a hung tool call on one
-  host); otherwise the wrapped environment."""
-
-  def __init__(self, env, seconds: float):
-    self.env, self.seconds, self.stalled = env, seconds, False
-
-  def step_batch(self, states, texts):
-    if not self.stalled:
-      self.stalled = True
-      print(f"[trace_jax] injected stall: the environment step waits {self.seconds:g}s",
-            flush=True)
-      time.sleep(self.seconds)
-    return self.env.step_batch(states, texts)
-
-  def __getattr__(self, name):
-    return getattr(self.__dict__["env"], name)
-
-
 def build_env(c, assets: "Assets"):
   """The run's `MultiHopEnv`: top-k passages per search, observations capped in bytes
   (`env.max_obs_bytes`) and in tokens (`env.max_obs_tokens`, under the policy's tokenizer) with
   the closing tag kept."""
-  from trace_jax.envs.env import DEFAULT_MAX_OBS_BYTES, MultiHopEnv
+  from trace_jax.envs.env import MultiHopEnv
 
-  env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
-                    topk=c.retriever.topk,
-                    max_obs_bytes=c.env.get("max_obs_bytes", DEFAULT_MAX_OBS_BYTES),
-                    max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
-  failing = _process_fault(c.env.get("inject_retriever_errors", ""), "env.inject_retriever_errors")
-  if failing is not None:  # fault injection (tests): "PROCESS:COUNT"
-    env.retriever = FailingRetriever(env.retriever, int(failing))
-  stall = _process_fault(c.env.get("inject_stall", ""), "env.inject_stall")
-  if stall is not None:  # fault injection (tests): "PROCESS:SECONDS"
-    env = StallOnce(env, float(stall))
-  return env
-
-
-def _process_fault(spec, field: str):
-  """The value of a "PROCESS:VALUE" fault for this process, or None (no fault, or another
-  process's)."""
-  spec = str(spec or "")
-  if not spec:
-    return None
-  proc, sep, value = spec.partition(":")
-  try:
-    if not sep or int(proc) < 0 or float(value) < 0:
-      raise ValueError
-  except ValueError:
-    raise ValueError(f"{field}={spec!r}: expected PROCESS:VALUE, e.g. 1:30") from None
-  return value if int(proc) == jax.process_index() else None
+  return MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
+                     topk=c.retriever.topk, max_obs_bytes=c.env.max_obs_bytes,
+                     max_obs_tokens=c.env.max_obs_tokens, encode=assets.encode)
 
 
 # What a local HF model directory must hold before anything is loaded from it.
@@ -240,7 +177,7 @@ def parse_hops(spec: str) -> tuple[int, ...]:
 def select_hops(c, train: list) -> list:
   """The training examples whose hop count is in `data.train_hops` (all when it is empty); an
   example's hop count is its `hops` field or `meta["hops"]`. Held-out data is never filtered."""
-  hops = set(parse_hops(c.data.get("train_hops", "")))
+  hops = set(parse_hops(c.data.train_hops))
   if not hops:
     return train
   count = lambda ex: ex.get("hops") if ex.get("hops") is not None else ex["meta"].get("hops")  # noqa: E731
@@ -261,7 +198,7 @@ def _default_trap_rate() -> float:
 
 
 def _trap_rate(c) -> float:
-  return float(c.world.get("trap_rate", _default_trap_rate()))
+  return float(c.world.trap_rate)
 
 
 def world_dir_name(c) -> str:
@@ -376,12 +313,11 @@ def build_model(c, vocab_size: int, mesh=None) -> Qwen3:
 def sft_seed(c) -> int:
   """Seed of the warm start (model init, expert traces, packing, order): `sft.seed`, or the run's
   seed when that is negative. A fixed `sft.seed` lets RL seeds share one warm start."""
-  s = c.sft.get("seed", -1)
-  return int(c.seed if s is None or s < 0 else s)
+  s = c.sft.seed
+  return int(c.seed if s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "inject_stall", "inject_retriever_errors",
-                          "predictor_features")
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "predictor_features")
 # Settings added later that do change the expert traces: in the key only away from the default they
 # were added with, so the caches made before them stay valid.
 _IN_WARM_START_KEY_OFF_DEFAULT = {"trap_rate": _default_trap_rate}
@@ -389,7 +325,7 @@ _IN_WARM_START_KEY_OFF_DEFAULT = {"trap_rate": _default_trap_rate}
 
 def _key_section(section) -> dict:
   out = {}
-  for k, v in section.to_dict().items():
+  for k, v in dataclasses.asdict(section).items():
     default = _IN_WARM_START_KEY_OFF_DEFAULT.get(k)
     if k not in _NOT_IN_WARM_START_KEY and not (default is not None and v == default()):
       out[k] = v
@@ -398,7 +334,7 @@ def _key_section(section) -> dict:
 
 def warm_start_key(c) -> str:
   """Cache key of the warm start: everything that changes it, the effective seed included."""
-  sft = {k: v for k, v in c.sft.to_dict().items() if k != "seed"}
+  sft = {k: v for k, v in dataclasses.asdict(c.sft).items() if k != "seed"}
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,

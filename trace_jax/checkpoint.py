@@ -106,22 +106,6 @@ def decode_host(x):
 
 
 # ---- a training run's checkpoint, read back by the launchers (eval, probes) ----------------------
-def run_config(workdir: str):
-  """The ConfigDict a training run was trained with (its workdir's config.json)."""
-  import json
-
-  import ml_collections
-
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"--workdir={workdir!r} does not exist")
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: --workdir must be a training run directory "
-                            f"(launch/train.py writes config.json there)")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
 def run_checkpoint_step(workdir: str, step: int | None = None) -> int:
   """The checkpoint step of a training run's `workdir` to restore: the latest unless `step` is
   given. Raises FileNotFoundError when the run saved none, ValueError for a step it did not save."""
@@ -140,19 +124,21 @@ def run_checkpoint_step(workdir: str, step: int | None = None) -> int:
 
 def restore_target(c, graphdef, params, mesh=None):
   """The abstract train state a run's checkpoint holds (masters, optimizer states, predictor), each
-  leaf a ShapeDtypeStruct placed as the train loop places it on `mesh` (nothing is allocated)."""
+  leaf a ShapeDtypeStruct placed as the train loop places it on `mesh` (nothing is allocated).
+  `c` is the run's `trace_jax.config.TrainConfig` (`configs/convert.load_run_config`)."""
   from flax import nnx
   from jax.sharding import NamedSharding
 
   from trace_jax.models.predictor import PredictorHead, feature_width
-  from trace_jax.rl.update import init_train_state, state_shardings, update_config_from
+  from trace_jax.config import update_config
+  from trace_jax.rl.update import init_train_state, state_shardings
 
   # The head as the run built it (twice as wide when it read the prompt mean too).
   width = feature_width(nnx.merge(graphdef, params).cfg.hidden_size,
-                        c.model.get("predictor_features", "last"))
+                        c.model.predictor_features)
   head = PredictorHead(width, c.model.predictor_hidden, rngs=nnx.Rngs(0))
   abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1],
-                                                     update_config_from(c)))
+                                                     update_config(c)))
   if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                              ("data", "fsdp", "tensor"))

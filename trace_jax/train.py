@@ -53,13 +53,14 @@ from trace_jax.allocation.predictor_fit import PredictorFitter
 from trace_jax.allocation.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
                                  make_optimizers, place_state, policy_params, reference_logprobs,
-                                 state_shardings, update_config_from)
+                                 state_shardings)
 from trace_jax.allocation import strategies
-from trace_jax.allocation.driver import DriverConfig, RolloutDriver, StepSample, dapo_prompts
+from trace_jax.allocation.driver import RolloutDriver, StepSample
+from trace_jax.config import TrainConfig, driver_config, sampler_config, update_config
+from trace_jax.envs import react
 from trace_jax.envs.adapter import TreeEnvAdapter
 from trace_jax.sampling.multiprocess import ProcessShardedEngine, sampling_copy
 from trace_jax.sampling.engine import PromptRequest, SamplerEngine
-from trace_jax.sampling.config import sampler_config_from
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,25 @@ def make_predictor(pred_graphdef):
   return predict
 
 
-def _workdir(c) -> str:
+def _workdir(c: TrainConfig) -> str:
   if c.workdir:
     return c.workdir
-  return os.path.join("runs", f"{c.variant}-{c.method}-seed{c.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  return os.path.join("runs", f"{c.variant}-{c.method}-seed{c.seed}-{stamp}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """Where a caller may wrap a run's parts (fault injection in tests and the chaos benchmark,
+  instrumentation): each is a function from the part the run built to the one it uses, or None.
+
+  retriever: the retriever -> the one the environment searches with.
+  env: the environment -> the one the sampler steps.
+  batch: (RL step, packed batch dict) -> the batch the update trains on.
+  """
+  retriever: Callable[[Any], Any] | None = None
+  env: Callable[[Any], Any] | None = None
+  batch: Callable[[int, dict], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -142,7 +158,7 @@ class Run:
   """What a run builds once. The engine, driver and fitter keep host-side state of their own
   (rng streams, the predictor's replay buffer); `host_state`/`load_host_state` read and set it so
   a checkpoint holds everything that decides the future."""
-  c: Any
+  c: TrainConfig
   workdir: str
   mesh: Any
   assets: Any
@@ -160,12 +176,12 @@ class Run:
   shardings: Any              # NamedShardings of the train state on a multi-device mesh, else None
   init_params: Any            # policy after the warm start (RL starts here)
   init_pred_params: Any
-  ucfg: UpdateConfig
+  update_cfg: UpdateConfig
   init_param_norm: float      # global norm of the warm-started policy (divergence reference)
   warm_start: dict
   synthetic: bool
   t_start: float
-  inject_nan_steps: frozenset = frozenset()  # RL steps whose loss is poisoned (rl.inject_nan_steps)
+  hooks: Hooks = Hooks()
 
 
 @dataclasses.dataclass
@@ -188,13 +204,12 @@ class LoopState:
 
 
 # ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
-def build(c, validate_fn=None) -> Run:
-  """Builds the run of config `c`: workdir, mesh, data and model, the warm start (synthetic world),
-  the sampler engine and rollout driver, the predictor fitter and the jitted update step."""
+def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
+  """Builds the run of config `c` (validated: `configs/convert.py`): workdir, mesh, data and
+  model, the warm start (synthetic world), the sampler engine and rollout driver, the predictor
+  fitter and the jitted update step. `hooks` wrap parts of it (`Hooks`)."""
   t_start = time.time()
-  if validate_fn is not None:
-    validate_fn(c)
-  inject_nan_steps = _parse_steps(c.rl.get("inject_nan_steps", ""))
+  hooks = hooks or Hooks()
   initialize()
   multi = jax.process_count() > 1
   workdir = _workdir(c)
@@ -203,11 +218,12 @@ def build(c, validate_fn=None) -> Run:
   os.makedirs(workdir, exist_ok=True)
   if _primary():  # one process writes the run's files (config, metrics, summary, plots)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(c.to_json_best_effort(indent=1))
+      json.dump(c.to_dict(), f, indent=1)
   mesh = make_mesh(c.mesh)
-  lmesh = local_mesh(mesh)  # this process's block (raises when the mesh does not split evenly)
+  process_mesh = local_mesh(mesh)  # this process's block (raises when the mesh does not split)
   writer = MetricWriter(workdir) if _primary() else NullWriter()
 
+  # ---- data and model
   synthetic = not assets_lib.uses_real_data(c)
   assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
@@ -218,50 +234,46 @@ def build(c, validate_fn=None) -> Run:
   print(f"[trace_jax] workdir {workdir}; model {sum(x.size for x in jax.tree.leaves(params)):,} "
         f"params; {len(assets.train)} train / {len(assets.test)} test prompts", flush=True)
 
-  ws_info = {}
+  # ---- warm start (synthetic world)
+  warm_start_info = {}
   if synthetic:
-    def ws_log(i, m):
+    def log_sft(i, m):
       writer.write(-1, {f"sft_{k}": v for k, v in m.items()})
-    params, ws_info = assets_lib.warm_start(c, assets, graphdef, params, ws_log)
-    how = "restored from the cache" if ws_info.get("cached") else "trained"
-    print(f"[trace_jax] warm start {how} ({ws_info.get('steps')} steps trained in "
-          f"{ws_info.get('seconds', 0):.0f}s)", flush=True)
+    params, warm_start_info = assets_lib.warm_start(c, assets, graphdef, params, log_sft)
+    how = "restored from the cache" if warm_start_info.get("cached") else "trained"
+    print(f"[trace_jax] warm start {how} ({warm_start_info.get('steps')} steps trained in "
+          f"{warm_start_info.get('seconds', 0):.0f}s)", flush=True)
 
+  # ---- environment, sampler and driver
   env = assets_lib.build_env(c, assets)
-  r = c.rollout
+  if hooks.retriever is not None:
+    env.retriever = hooks.retriever(env.retriever)
+  if hooks.env is not None:
+    env = hooks.env(env)
   # Several processes: sampling is process-local, each process's engine on its own block of the
   # mesh with a copy of the weights, sampling its share of the requests and seeing every tree (see
   # `ProcessShardedEngine`); the update runs on the global mesh.
   if multi:
     params = shard_state(params, mesh)
-  smesh = lmesh if multi else mesh
-  engine = SamplerEngine(graphdef, sampling_copy(params, mesh, model.cfg.num_kv_heads)
-                         if multi else params, sampler_config_from(c), assets.encode,
+  sample_mesh = process_mesh if multi else mesh
+  sample_params = sampling_copy(params, mesh, model.cfg.num_kv_heads) if multi else params
+  engine = SamplerEngine(graphdef, sample_params, sampler_config(c), assets.encode,
                          assets.decode, TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
-                         mesh=smesh if smesh.size > 1 else None)
+                         mesh=sample_mesh if sample_mesh.size > 1 else None,
+                         observation_close=react.INFO_CLOSE)
   engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
   if multi:
     engine = ProcessShardedEngine(engine, mesh)
   predict = make_predictor(pred_graphdef)
-  dcfg = DriverConfig(method=c.method, root_budget=r.root_budget, prefix_budget=r.prefix_budget,
-                      min_per_prompt=r.min_per_prompt, max_per_prompt=r.max_per_prompt,
-                      prompts_per_step=r.prompts_per_step,
-                      max_per_anchor=r.max_per_anchor, budget_unit=r.budget_unit,
-                      cost_aware=r.cost_aware, tree_lambda=r.tree_lambda,
-                      blend_prior=r.blend_prior, anchor_posterior=r.anchor_posterior,
-                      anchor_prior_strength=r.anchor_prior_strength, root_anchors=r.root_anchors,
-                      explore_prompts=r.explore_prompts, hard_prompts=r.hard_prompts,
-                      metric_slice=r.metric_slice, metric_rollouts=r.metric_rollouts,
-                      calibrate=r.calibrate, calibrate_window=r.calibrate_window,
-                      calibrate_prior=r.calibrate_prior,
-                      dapo_oversample=r.dapo_oversample, arpo_entropy_top=r.arpo_entropy_top)
   # The driver's predictor is set from the loop state at every sample_step.
-  driver = RolloutDriver(engine, dcfg, None, engine.prompt_features, seed=c.seed)
+  driver = RolloutDriver(engine, driver_config(c), None, engine.prompt_features, seed=c.seed)
 
-  ucfg = update_config_from(c)
+  # ---- predictor fit and the update step
+  update_cfg = update_config(c)
   if mesh.size > 1 and not multi:  # parameters born in their logical sharding; optimizer states
     params = shard_state(params, mesh)  # follow them
-  fitter = PredictorFitter(pred_graphdef, make_optimizers(ucfg)[1], steps=c.rl.predictor_fit_steps,
+  fitter = PredictorFitter(pred_graphdef, make_optimizers(update_cfg)[1],
+                           steps=c.rl.predictor_fit_steps,
                            buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
                            weighting=c.rl.predictor_weighting,
                            root_buffer_steps=c.rl.predictor_root_buffer_steps,
@@ -272,37 +284,26 @@ def build(c, validate_fn=None) -> Run:
   shardings = None
   if mesh.size > 1:
     shardings = state_shardings(jax.eval_shape(
-        lambda: init_train_state(params, pred_params, ucfg)), mesh)
+        lambda: init_train_state(params, pred_params, update_cfg)), mesh)
   ref_params = (jax.tree.map(jnp.copy, policy_params(params, c.model.param_dtype))
                 if c.rl.kl_coef > 0 else None)
-  if c.ckpt.every <= 0 or c.eval.every <= 0:
-    raise ValueError("ckpt.every and eval.every must be positive")
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.ckpt.max_to_keep)
-  update = (jit_update_step(graphdef, pred_graphdef, ucfg, shardings, None, mesh=mesh)
-            if shardings is not None else jit_update_step(graphdef, pred_graphdef, ucfg))
+  update = (jit_update_step(graphdef, pred_graphdef, update_cfg, shardings, None, mesh=mesh)
+            if shardings is not None else jit_update_step(graphdef, pred_graphdef, update_cfg))
   return Run(c=c, workdir=workdir, mesh=mesh, assets=assets, graphdef=graphdef,
              pred_graphdef=pred_graphdef, env=env, engine=engine, driver=driver, fitter=fitter,
              update=update, predict=predict, writer=writer, ckpt=ckpt, ref_params=ref_params,
-             shardings=shardings, init_params=params,
-             init_pred_params=pred_params, ucfg=ucfg,
-             init_param_norm=float(fetch(run_global(_global_norm, params))), warm_start=ws_info,
-             synthetic=synthetic, t_start=t_start,
-             inject_nan_steps=inject_nan_steps)
-
-
-def _parse_steps(spec) -> frozenset:
-  """'2,5' -> {2, 5}: the RL steps of a fault-injection option."""
-  try:
-    return frozenset(int(x) for x in str(spec).split(",") if x.strip())
-  except ValueError:
-    raise ValueError(f"rl.inject_nan_steps={spec!r}: expected comma-separated step numbers") from None
+             shardings=shardings, init_params=params, init_pred_params=pred_params,
+             update_cfg=update_cfg,
+             init_param_norm=float(fetch(run_global(_global_norm, params))),
+             warm_start=warm_start_info, synthetic=synthetic, t_start=t_start, hooks=hooks)
 
 
 def init_state(run: Run) -> LoopState:
   """The state before the first RL step: warm-started policy, fresh optimizers and predictor.
   On a mesh, every leaf lives on the mesh (parameters and moments in their sharding, scalars such
   as optimizer counts replicated), so a restored state has the same placement as a fresh one."""
-  train_state = init_train_state(run.init_params, run.init_pred_params, run.ucfg)
+  train_state = init_train_state(run.init_params, run.init_pred_params, run.update_cfg)
   if run.shardings is not None:
     train_state = place_state(train_state, run.shardings)
   return LoopState(train=train_state)
@@ -442,7 +443,7 @@ def start(run: Run, state: LoopState) -> LoopState:
 def step_examples(run: Run, step: int) -> list[dict]:
   """The prompts drawn at RL step `step` (a pure function of the seed and the step)."""
   _, order = _prompt_plan(run.c.seed, run.c.eval.probe_prompts, len(run.assets.train))
-  n = step_prompts(run.c)
+  n = run.driver.strategy.prompts_per_step()
   return [run.assets.train[order[(step * n + j) % len(order)]] for j in range(n)]
 
 
@@ -509,8 +510,8 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch["ref_logp"] = reference_logprobs(
           run.graphdef, run.ref_params, batch, c.rl.micro_batches,
           run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
-    if state.step in run.inject_nan_steps:  # fault injection (benchmarks/chaos.py): a NaN loss
-      batch = dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan))
+    if run.hooks.batch is not None:
+      batch = run.hooks.batch(state.step, batch)
     t1 = time.time()
     train_state, m = run_global(run.update, train_state, batch)
     m = jax.device_get(_host(m))
@@ -530,7 +531,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   return state, rec
 
 
-def largest_tree(c) -> int:
+def largest_tree(c: TrainConfig) -> int:
   """The most rollouts one tree of a run starts from its root: a GRPO-style group (the whole
   per-step budget spread over the prompts), stage 1's per-prompt cap (bounded by what the budget
   leaves after every other prompt's minimum), the warm-start probe's 8 samples, or a metric-slice
@@ -545,7 +546,7 @@ def largest_tree(c) -> int:
   return int(max(group, stage1, probe, slice_))
 
 
-def update_rows(c, mesh) -> int:
+def update_rows(c: TrainConfig, mesh) -> int:
   """Packed rows per update: `rl.train_rows` rounded up to a multiple of `rl.micro_batches` x the
   row shards of the mesh (data x fsdp), so every micro-batch splits evenly over the shards."""
   return padded_rows(c.rl.train_rows, c.rl.micro_batches,
@@ -649,13 +650,13 @@ class StopSignal:
       signal.signal(sig, old)
 
 
-def train(c, validate_fn=None) -> dict:
+def train(c: TrainConfig, hooks: Hooks | None = None) -> dict:
   """Runs warm start (synthetic world) and RL with the configured method; returns the summary.
 
   SIGTERM/SIGINT finish the current step, checkpoint it and raise `Preempted`; signs of divergence
   raise `Diverged` without checkpointing the bad state (see `check_divergence`)."""
   with StopSignal() as stop:
-    run = build(c, validate_fn)
+    run = build(c, hooks)
     state = restore(run) or init_state(run)
     stop.agree()  # (several processes: every read of the flag follows an agreement)
     if stop.requested:
@@ -689,17 +690,13 @@ def train(c, validate_fn=None) -> dict:
     return summary
 
 
-def step_prompts(c) -> int:
-  """Prompts drawn per RL step: dapo oversamples; predicted-root methods score a candidate pool
-  (`rollout.candidate_prompts`) and give rollouts to `prompts_per_step` of them."""
-  r = c.rollout
-  if c.method == "dapo":
-    return dapo_prompts(r.prompts_per_step, r.dapo_oversample)
-  if strategies.ROOT_ALLOCATION[c.method] == "predicted":
-    return max(r.prompts_per_step, r.candidate_prompts)
-  return r.prompts_per_step
+def step_prompts(c: TrainConfig) -> int:
+  """Prompts drawn per RL step: what the method's strategy asks for (a candidate pool for the
+  predicted roots, an oversampled set for dapo, else `rollout.prompts_per_step`)."""
+  return strategies.get(c.method)(driver_config(c)).prompts_per_step()
 
 
-__all__ = ["Diverged", "LoopState", "Preempted", "Run", "build", "check_divergence", "evaluate_step", "finish", "init_state", "make_predictor",
-           "probe_warm_start", "restore", "sample_step", "save", "start", "step_examples",
-           "step_prompts", "train", "update_rows", "update_step"]
+__all__ = ["Diverged", "Hooks", "LoopState", "Preempted", "Run", "build", "check_divergence",
+           "evaluate_step", "finish", "init_state", "make_predictor", "probe_warm_start",
+           "restore", "sample_step", "save", "start", "step_examples", "step_prompts", "train",
+           "update_rows", "update_step"]

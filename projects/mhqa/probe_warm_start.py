@@ -61,6 +61,7 @@ def main(argv):
 
   from trace_jax import assets as assets_lib
   from trace_jax.diagnostics import classify_failure, failure_breakdown, prefix_signal
+  from trace_jax.envs import react
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
@@ -70,14 +71,16 @@ def main(argv):
   from trace_jax.rl.update import UpdateConfig, make_optimizers
   from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.sampling.engine import PromptRequest, SamplerEngine
-  from trace_jax.sampling.config import sampler_config_from
+  from trace_jax.config import sampler_config
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)
-  c = _CONFIG.value
+  import convert  # configs/ is on sys.path
+
   if _WORKDIR.value:  # the run's own config (world, model, sampling), as it trained
-    from trace_jax.checkpoint import run_config
-    c = run_config(_WORKDIR.value)
+    c = convert.load_run_config(_WORKDIR.value)
+  else:
+    c = convert.to_train_config(_CONFIG.value)
   assets = assets_lib.load_world_assets(c)
   graphdef, params = nnx.split(assets_lib.build_model(c, assets.vocab_size))
   params, ws = assets_lib.warm_start(c, assets, graphdef, params)
@@ -89,9 +92,10 @@ def main(argv):
     policy = dict(workdir=_WORKDIR.value, step=step)
   env = MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                     topk=c.retriever.topk)
-  scfg = sampler_config_from(c, num_pages=6 * c.rollout.num_pages)
+  scfg = sampler_config(c, num_pages=6 * c.rollout.num_pages)
   engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
-                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id)
+                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                         observation_close=react.INFO_CLOSE)
   rng = np.random.default_rng(c.seed)
   probe = [assets.train[i] for i in rng.choice(len(assets.train), _PROMPTS.value, replace=False)]
   out = dict(command="python projects/mhqa/probe_warm_start.py " + " ".join(sys.argv[1:]),

@@ -2,6 +2,7 @@
 "late or silent crashes on bad input" list, checked through `configs/mhqa.validate` (before
 anything is built or compiled), `load_qa` and the asset loaders."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,7 +17,10 @@ from trace_jax.data.formats import load_qa
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 
+import convert  # noqa: E402
 import mhqa  # noqa: E402
+
+from trace_jax.allocation import strategies  # noqa: E402
 
 
 def _smoke(**overrides):
@@ -32,7 +36,7 @@ def _smoke(**overrides):
 
 def test_every_shipped_synthetic_variant_and_method_validates():
   for variant in ("tiny", "smoke"):
-    for method in mhqa.METHODS:
+    for method in strategies.names():
       c = mhqa.get_config(variant)
       c.method = method
       mhqa.validate(c)
@@ -73,6 +77,16 @@ BAD = [
     (dict(retriever__backoff_s=-0.5), "retriever.backoff_s=-0.5"),
     (dict(retriever__topk=0), "retriever.topk=0"),
     (dict(method="ppo"), "config.method='ppo'"),
+    # Each of these trained for steps before the divergence guard stopped it, or failed deep inside.
+    (dict(rl__lr=float("nan")), "rl.lr=nan must be a finite number"),
+    (dict(rl__lr=0.0), "rl.lr=0.0 must be a finite number > 0"),
+    (dict(rl__max_grad_norm=float("inf")), "rl.max_grad_norm=inf must be a finite number"),
+    (dict(rl__entropy_coef=-0.1), "rl.entropy_coef=-0.1 must be >= 0"),
+    (dict(rl__remat="some"), "rl.remat='some'"),
+    (dict(model__dtype="float8"), "model.dtype='float8'"),
+    (dict(env__reward="bleu"), "env.reward='bleu'"),
+    (dict(sft__min_lr_ratio=1.5), "sft.min_lr_ratio=1.5 must be in [0, 1]"),
+    (dict(rollout__anchor_prior_strength=0.0), "rollout.anchor_prior_strength=0.0"),
 ]
 
 
@@ -88,7 +102,41 @@ def test_zero_steps_and_documented_edge_values_are_allowed():
   mhqa.validate(_smoke(env__max_obs_bytes=0))  # no byte cap, explicitly
   mhqa.validate(_smoke(rollout__temperature=0.05, rollout__top_k=1))  # nearly greedy rollouts
   mhqa.validate(_smoke(retriever__retries=0, retriever__backoff_s=0.0))
-  assert "rl.steps=0" in mhqa.validate.__doc__ and "top_k=1" in mhqa.validate.__doc__
+  assert "rl.steps=0" in convert.validate.__doc__ and "top_k=1" in convert.validate.__doc__
+
+
+def test_unknown_and_missing_fields_are_named():
+  c = mhqa.get_config("smoke")
+  c.rl.lerning_rate = 1e-3  # a typo a ConfigDict would carry silently
+  with pytest.raises(ValueError, match=r"config.rl: unknown field\(s\) \['lerning_rate'\]"):
+    mhqa.validate(c)
+  c = mhqa.get_config("smoke")
+  del c.rl["lr"]
+  with pytest.raises(ValueError, match=r"config.rl: missing field\(s\) \['lr'\]"):
+    mhqa.validate(c)
+
+
+@pytest.mark.parametrize("section,field,value,message", [
+    ("rl", "steps", "3", "config.rl.steps='3': expected int"),
+    ("rl", "steps", 2.5, "config.rl.steps=2.5: expected int"),
+    ("rollout", "cost_aware", 1, "config.rollout.cost_aware=1: expected bool"),
+    ("model", "path", None, "config.model.path=None: expected str"),
+])
+def test_the_typed_config_checks_each_type(section, field, value, message):
+  """A config reaching the library as a plain dict (a run's config.json, a notebook) is
+  type-checked field by field (a ConfigDict already refuses most of these)."""
+  d = mhqa.get_config("smoke").to_dict()
+  d[section][field] = value
+  with pytest.raises(ValueError) as info:
+    convert.to_train_config(d)
+  assert message in str(info.value), str(info.value)
+
+
+def test_validate_returns_the_typed_config():
+  tc = mhqa.validate(_smoke(rl__lr=1e-4))
+  assert type(tc).__name__ == "TrainConfig" and tc.rl.lr == 1e-4 and isinstance(tc.rl.lr, float)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    tc.rl.lr = 1.0
 
 
 # ----------------------------------------------------------------------------- real data and model

@@ -127,7 +127,7 @@ def test_injected_nan_step_is_skipped_and_the_run_goes_on(run, tmp_path):
   # A NaN loss at RL step 1 (the fault `benchmarks/chaos.py` injects): the update is skipped, the
   # parameters and optimizer state after it are bit-identical to those before it, the run finishes.
   work = str(tmp_path / "nan_step")
-  p = launch("train.py", *args_in(run, work, 2, "--config.rl.inject_nan_steps=1"))
+  p = launch("tests/faults.py", *args_in(run, work, 2, "--nan_steps=1"))
   assert p.returncode == 0, p.stdout[-3000:]
   rl = {r["step"]: r for r in records(work) if "effective_ratio" in r}
   assert rl[1]["finite"] == 1.0 and rl[2]["finite"] == 0.0 and rl[2]["skipped_steps"] == 1

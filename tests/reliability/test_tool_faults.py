@@ -406,16 +406,24 @@ def test_training_with_a_dead_retriever_url_exits_nonzero_in_seconds(tmp_path):
   assert elapsed < 60, elapsed
 
 
-def test_new_tool_settings_keep_cached_warm_starts_valid():
-  # A config without the observation byte cap (as before it existed) has the same warm-start key,
-  # and so do other cap and retriever settings: none of them changes the expert traces.
+def test_new_tool_settings_keep_cached_warm_starts_valid(tmp_path):
+  # A run's config without the observation byte cap (as before it existed) has the same warm-start
+  # key, and so do other cap and retriever settings: none of them changes the expert traces.
+  import convert
+
+  from trace_jax.config import TrainConfig
+
+  def key_of(c):
+    return assets_lib.warm_start_key(TrainConfig.from_dict(c.to_dict()))
+
   for variant in ("smoke", "tiny"):
     c = mhqa.get_config(variant)
-    key = assets_lib.warm_start_key(c)
-    old = mhqa.get_config(variant)
-    del old.env["max_obs_bytes"]
-    assert assets_lib.warm_start_key(old) == key
+    key = key_of(c)
+    old = c.to_dict()
+    del old["env"]["max_obs_bytes"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert assets_lib.warm_start_key(convert.load_run_config(str(tmp_path))) == key
     c.env.max_obs_bytes, c.retriever.timeout_s, c.retriever.retries = 0, 1.0, 0
-    assert assets_lib.warm_start_key(c) == key
+    assert key_of(c) == key
     c.env.max_turns += 1  # a setting that does change the traces still changes the key
-    assert assets_lib.warm_start_key(c) != key
+    assert key_of(c) != key

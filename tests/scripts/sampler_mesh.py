@@ -76,10 +76,11 @@ def main():
   res["pool_spec_after"] = [str(s) for s in spec_of(engine.pool["k"][0])]
   res["out_spec"] = seen["out_spec"]
   n = engine.alloc.pages_per_shard
+  states = [engine.tree_state(t) for t in trees]
   res["trees_on_one_shard"] = all(
-      len({p // n for pages in t._page_refs for p in pages}) == 1 and
-      all(p // n == t._shard for pages in t._page_refs for p in pages) for t in trees)
-  res["tree_shards"] = sorted(t._shard for t in trees)
+      len({p // n for pages in s.page_refs for p in pages}) == 1 and
+      all(p // n == s.shard for pages in s.page_refs for p in pages) for s in states)
+  res["tree_shards"] = sorted(s.shard for s in states)
   res["forks"] = sum(len(n.children) > 1 for t in trees for n in t.nodes)
   # The compiled decode: collectives and whether any gathers a pool-sized array.
   hlo = step.lower(engine.state, engine.pool, seen["batch"]).compile().as_text()

@@ -14,6 +14,10 @@ from typing import Callable, Literal, Optional, Sequence, Union
 
 from trace_jax.envs.types import Doc
 
+# The token-level cut that keeps `</information>` last lives with the sampler, which applies it
+# (given the marker by its caller); re-exported here as part of the protocol.
+from trace_jax.sampling.observation import truncate_observation  # noqa: F401
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -198,27 +202,3 @@ def format_invalid_observation(error: Optional[str] = None) -> str:
 def format_error_observation() -> str:
   """Reply when the retriever failed; the rollout continues."""
   return f"{INFO_OPEN}Search failed. Try again.{INFO_CLOSE}"
-
-
-def truncate_observation(
-    token_ids: Sequence[int], max_tokens: int, closing_ids: Sequence[int]
-) -> list[int]:
-  """Cuts an observation to at most `max_tokens` tokens, keeping the closing tag at the end.
-
-  Args:
-    token_ids: int[T] token ids of one observation, normally ending with `closing_ids`.
-    max_tokens: the budget, closing tag included.
-    closing_ids: int[C] the ids of `</information>` in the caller's tokenizer.
-  Returns:
-    int[min(T, max_tokens)]: unchanged if it fits, else a prefix followed by `closing_ids`.
-  """
-  token_ids, closing_ids = list(token_ids), list(closing_ids)
-  if max_tokens < len(closing_ids):
-    raise ValueError(
-        f"max_tokens={max_tokens} cannot hold the closing tag ({len(closing_ids)} ids)")
-  if len(token_ids) <= max_tokens:
-    return token_ids
-  body = token_ids
-  if closing_ids and body[-len(closing_ids):] == closing_ids:
-    body = body[:-len(closing_ids)]
-  return body[: max_tokens - len(closing_ids)] + closing_ids

@@ -87,19 +87,6 @@ class UpdateConfig:
       raise ValueError(f"UpdateConfig.micro_batches must be >= 1, got {self.micro_batches}")
 
 
-def update_config_from(c, **overrides) -> UpdateConfig:
-  """The update settings of a run config (`configs/mhqa.py`: its rl and model sections). Log-probs
-  are the sampling policy's, softmax(z / T), as the sampler records them. Keys added after a run
-  was trained read their defaults, so an older run's config.json still restores."""
-  kw = dict(lr=c.rl.lr, predictor_lr=c.rl.predictor_lr, eps_low=c.rl.eps_low,
-            eps_high=c.rl.eps_high, kl_coef=c.rl.kl_coef, entropy_coef=c.rl.entropy_coef,
-            max_grad_norm=c.rl.max_grad_norm, micro_batches=c.rl.micro_batches,
-            remat=c.rl.get("remat", "none"), param_dtype=c.model.param_dtype,
-            temperature=c.rollout.temperature,
-            prompt_mean_features=c.model.get("predictor_features", "last") == "last+prompt_mean")
-  return UpdateConfig(**{**kw, **overrides})
-
-
 def make_optimizers(cfg: UpdateConfig):
   policy = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                        optax.adamw(cfg.lr, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay))

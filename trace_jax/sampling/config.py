@@ -41,7 +41,7 @@ class SamplerConfig:
   max_group_size: int = 0           # branches per attention group; 0: min(num_slots, 8)
   max_groups: int = 0               # group rows of the tree kernel; 0: 2 * num_slots / group size
   page_buckets: tuple = ()          # page-table width buckets; (): powers of two
-  attention_impl: str = "auto"      # tree kernel implementation (see kernels.tree_attention)
+  attention_impl: str = "auto"      # tree kernel implementation (see kernels.dispatch.resolve_impl)
   leaf_features: bool = True        # one extra step per leaf to record its prefix feature
   prompt_mean_features: bool = False  # features [last state, mean of the prompt's final states]
   decode_steps: int = 8             # decode steps per device call (the host acts once per call)
@@ -59,19 +59,6 @@ class SamplerConfig:
   @property
   def num_groups(self) -> int:
     return self.max_groups or max(1, -(-2 * self.num_slots // self.group_size))
-
-
-def sampler_config_from(c, **overrides) -> SamplerConfig:
-  """The engine settings of a run config (`configs/mhqa.py`: its rollout and env sections)."""
-  r = c.rollout
-  kw = dict(num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
-            max_seq_len=c.env.max_seq_len, max_turn_tokens=c.env.max_turn_tokens,
-            max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
-            prefill_chunk=(32, r.prefill_chunk), temperature=r.temperature, top_p=r.top_p,
-            top_k=r.top_k, use_tree_attention=r.tree_attention, seed=c.seed,
-            prompt_mean_features=c.model.get("predictor_features", "last") == "last+prompt_mean")
-  kw.update(overrides)
-  return SamplerConfig(**kw)
 
 
 @dataclasses.dataclass

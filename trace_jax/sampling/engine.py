@@ -7,10 +7,11 @@ slot by up to `decode_steps` tokens (a device loop; a slot stops on the device a
 ids of a stop string or at its turn or length limit, so the host acts once per turn end or per
 `decode_steps` tokens). A turn ends on a stop string, EOS or a length limit; the environment
 callback runs, batched over the slots whose turns ended, and its observation is prefilled into the
-slot's pages before the next turn. Branches forked from one anchor share the anchor's full KV pages (the
-tree attention kernel reads them once for all siblings); each copies only the anchor's last partial
-page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer can fork new
-branches from any anchor of a finished stage-1 tree.
+slot's pages before the next turn. Branches forked from one anchor share the anchor's full KV
+pages (the tree attention kernel reads them once for all siblings); each copies only the anchor's
+last partial page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer
+can fork new branches from any anchor of a finished stage-1 tree. The engine keeps that
+bookkeeping itself, by tree uid (`tree_state`); a `Tree` is plain data.
 
 On a mesh (`mesh=`), the pool's pages split into one contiguous range per data shard, each with
 its own allocator range, block of slots and trees; KV heads split over `tensor`; everything that
@@ -25,13 +26,13 @@ feature of the prefix ending at that token.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from trace_jax.envs import react
 from trace_jax.models.predictor import feature_width
 from trace_jax.parallel.sharding import DEFAULT_RULES, state_shardings, variable_value
 from trace_jax.sampling import engine_ops, slot_tables
@@ -39,17 +40,43 @@ from trace_jax.sampling.paged_kv import (PageAllocator, PoolExhaustedError, Pool
                                         init_pool, make_copy_pages)
 from trace_jax.sampling.config import (DEFAULT_STOP_STRINGS, EnvStep, ForkRequest, Ledger,
                                               PromptRequest, SamplerConfig, TurnRef)
+from trace_jax.sampling.observation import fit_observation_ids
 from trace_jax.sampling.tree import Node, Tree
 
 _COPY_BATCH = 64  # pages copied per copy_pages call
 
 
+@dataclasses.dataclass(eq=False)
+class TreeState:
+  """The engine's bookkeeping of one live tree, kept by the engine (never on the `Tree`) from
+  admission until `release`.
+
+  kv: node id -> (page list, KV tokens written) of the prefix ending at that node: what a fork
+    from the node shares or copies (the root's entry appears when its first branch starts).
+  page_refs: the page lists this tree holds one reference each to (every finished branch's, the
+    prompt's), freed by `release` or `rollback`.
+  branches: branches started so far; the next one's rng stream and `Node.rollout` index.
+  worker, shard: the (worker, data shard) queue the tree's branches run on (task affinity; its
+    pages live in that shard's range); -1 and None until first placed.
+  prompt_mean: f32[D] mean final state over the prompt (`prompt_mean_features`), or None.
+  """
+
+  tree: Tree
+  kv: dict[int, tuple[list[int], int]] = dataclasses.field(default_factory=dict)
+  page_refs: list[list[int]] = dataclasses.field(default_factory=list)
+  branches: int = 0
+  worker: int = -1
+  shard: int | None = None
+  prompt_mean: np.ndarray | None = None
+
+
 class _Branch:
   """Host state of one active rollout: its page table, lengths, rng and current turn."""
 
-  def __init__(self, tree: Tree, parent_node: int, pages: list[int], kv_len: int, pending: int,
-               key: np.ndarray, group_key, shared_pages: int):
-    self.tree, self.parent_node, self.pages = tree, parent_node, pages
+  def __init__(self, state: TreeState, parent_node: int, pages: list[int], kv_len: int,
+               pending: int, key: np.ndarray, group_key, shared_pages: int):
+    self.state, self.tree = state, state.tree
+    self.parent_node, self.pages = parent_node, pages
     self.kv_len, self.pending, self.key = kv_len, pending, key
     self.group_key, self.shared_pages = group_key, shared_pages
     self.counter = 0
@@ -92,6 +119,14 @@ class SamplerEngine:
     stop_strings: turn-ending strings (default `</search>`, `</answer>`). Their token ids
       (`encode`) also stop a slot on the device, inside a multi-step call; the host's text check
       stays the rule (a stop the ids missed ends the turn at the same token).
+    observation_close: the string that closes an observation in the caller's turn protocol (e.g.
+      `</information>` for the ReAct environments). An observation cut to fit `max_obs_tokens` or
+      the room left keeps its text from the last such marker on as its last tokens, so the policy
+      never continues inside an observation it was not shown the end of; "" (default): a plain
+      prefix cut.
+    record_steps: instrumentation for the scheduler benchmark (`sampling.scheduler`), off (0) by
+      default: with N > 0, `step_log` keeps the busy slots per worker of the last N decode steps
+      (i32[num_workers] each) and `starts` the (slot, tree uid) of the last N branch starts.
     mesh: a `jax.sharding.Mesh` with axes among (data, fsdp, tensor), or None (one device). On a
       mesh the KV pool's pages split into one contiguous range per data shard (every axis but
       `tensor`), each with its own allocator range, its own block of slots and its own trees;
@@ -101,7 +136,9 @@ class SamplerEngine:
 
   `run` returns one `Tree` per request (`trace_jax.sampling.tree`: nodes with generated ids,
   log-probs, observation ids, prefix features f32[D] and leaf rewards); `engine.ledger` counts
-  rollouts, generated and prefill tokens and tool calls.
+  rollouts, generated and prefill tokens and tool calls. The engine's bookkeeping of a tree (KV
+  pages, placement, branch counter: `tree_state(tree)`) lives in the engine, keyed by tree uid,
+  until `release(trees)`; a tree itself is plain data.
 
   Example:
     >>> gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=32, num_layers=1), rngs=nnx.Rngs(0)))
@@ -116,9 +153,11 @@ class SamplerEngine:
 
   def __init__(self, model_graphdef, params_state, cfg: SamplerConfig, encode, decode,
                env_step: EnvStep, eos_id: int | None, stop_strings=DEFAULT_STOP_STRINGS,
-               kv_dtype=None, turn_limit_fn=None, mesh=None):
+               kv_dtype=None, turn_limit_fn=None, mesh=None, observation_close: str = "",
+               record_steps: int = 0):
     self.cfg, self.graphdef, self.state = cfg, model_graphdef, params_state
     self.encode, self.decode, self.env_step = encode, decode, env_step
+    self.observation_close = observation_close
     self.eos_id, self.stop_strings = eos_id, tuple(stop_strings)
     # Optional (tree, rollout serial, turn depth) -> token limit of that turn, capped by
     # max_turn_tokens; simulated workloads use it to draw turn lengths.
@@ -163,9 +202,12 @@ class SamplerEngine:
     # prompt -> mean final state over it, under the current weights (prompt_mean_features): the
     # pool scoring computes it for every candidate, so admitting a scored prompt costs nothing.
     self._prompt_means: dict[tuple, np.ndarray] = {}
-    self.step_log: list[np.ndarray] = []  # busy slots per worker, one row per decode step
-    self.starts: list[tuple[int, int]] = []  # (slot, tree uid) of every branch started
-    self.live_trees: dict[int, Tree] = {}
+    # Bounded and off by default: a training run makes millions of decode steps and never reads
+    # them (see record_steps).
+    self.record_steps = max(0, int(record_steps))
+    self.step_log: collections.deque = collections.deque(maxlen=self.record_steps)
+    self.starts: collections.deque = collections.deque(maxlen=self.record_steps)
+    self._trees: dict[int, TreeState] = {}  # tree uid -> bookkeeping, admission to release
     self._next_uid = 0
     self._jobs: list = []
     self._pending: dict[int, collections.deque] = {}
@@ -241,26 +283,25 @@ class SamplerEngine:
                       "last+prompt_mean" if cfg.prompt_mean_features else "last")
     return np.concatenate(out) if out else np.zeros((0, d), np.float32)
 
-  def _node_feature(self, tree: Tree, hidden) -> np.ndarray:
+  def _node_feature(self, st: TreeState, hidden) -> np.ndarray:
     """A node's predictor feature from the final state at its last token: that state, and with
     `prompt_mean_features` the tree's prompt mean after it (computed once per tree)."""
     h = np.asarray(hidden, np.float32)
     if not self.cfg.prompt_mean_features:
       return h
-    mean = tree.__dict__.get("_prompt_mean")
-    if mean is None:  # a tree admitted elsewhere (e.g. gathered from another process)
-      self._set_prompt_means([tree])
-      mean = tree._prompt_mean
-    return np.concatenate([h, mean])
+    if st.prompt_mean is None:  # (admission sets it; kept as a guard)
+      self._set_prompt_means([st])
+    return np.concatenate([h, st.prompt_mean])
 
-  def _set_prompt_means(self, trees) -> None:
+  def _set_prompt_means(self, states: Sequence[TreeState]) -> None:
     """Each tree's mean final state over its prompt: from the prompts scored under the current
     weights, else one batched plain forward over the others (prefill work)."""
-    missing = [t.prompt_ids for t in trees if tuple(t.prompt_ids) not in self._prompt_means]
+    missing = [st.tree.prompt_ids for st in states
+               if tuple(st.tree.prompt_ids) not in self._prompt_means]
     if missing:
       self.prompt_features(missing)
-    for t in trees:
-      t._prompt_mean = np.asarray(self._prompt_means[tuple(t.prompt_ids)], np.float32)
+    for st in states:
+      st.prompt_mean = np.asarray(self._prompt_means[tuple(st.tree.prompt_ids)], np.float32)
     if len(self._prompt_means) > _PROMPT_MEANS_KEPT:  # scored pools of past calls
       self._prompt_means.clear()
 
@@ -281,35 +322,49 @@ class SamplerEngine:
           f"{where} holds {have} (num_pages {cfg.num_pages}); raise num_pages to at least "
           f"{(need + 1) * self.shards}" + (" or use fewer data shards" if self.shards > 1 else ""))
 
+  @property
+  def live_trees(self) -> dict[int, Tree]:
+    """uid -> tree, for every tree admitted and not yet released."""
+    return {uid: st.tree for uid, st in self._trees.items()}
+
+  def tree_state(self, tree: Tree) -> TreeState:
+    """The engine's bookkeeping of a live `tree` (see `TreeState`); KeyError once released."""
+    st = self._trees.get(tree.uid)
+    if st is None or st.tree is not tree:
+      raise KeyError(f"tree {tree.uid} is not live on this engine (released, or a copy)")
+    return st
+
   def release(self, trees: Sequence[Tree] | None = None) -> None:
-    """Drops every page reference held by `trees` (all live trees if None), and the environment's
-    per-node state when the env callback keeps one (it has a `release(trees)` method)."""
-    trees = list(self.live_trees.values()) if trees is None else list(trees)
+    """Drops every page reference held by `trees` (all live trees if None) and the engine's record
+    of them, and the environment's per-node state when the env callback keeps one (it has a
+    `release(trees)` method)."""
+    trees = [st.tree for st in self._trees.values()] if trees is None else list(trees)
     for tree in trees:
-      for pages in tree._page_refs:
+      st = self._trees.pop(tree.uid, None)
+      for pages in st.page_refs if st is not None else ():
         self.alloc.decref(pages)
-      tree._page_refs, tree._kv = [], {}
-      self.live_trees.pop(tree.uid, None)
     env_release = getattr(self.env_step, "release", None)
     if env_release is not None:
       env_release(trees)
 
   def checkpoint(self, tree: Tree) -> tuple[int, int]:
     """A mark to `rollback` to: the tree's node count and page references now."""
-    return len(tree.nodes), len(tree._page_refs)
+    return len(tree.nodes), len(self.tree_state(tree).page_refs)
 
   def rollback(self, tree: Tree, mark: tuple[int, int]) -> None:
     """Discards the nodes and KV pages a tree gained after `checkpoint` (e.g. to drop a round of
-    continuations); the nodes from before stay forkable."""
+    continuations); the nodes from before stay forkable. The branch counter runs on (later forks
+    draw new rng streams)."""
+    st = self.tree_state(tree)
     n_nodes, n_refs = mark
-    for pages in tree._page_refs[n_refs:]:
+    for pages in st.page_refs[n_refs:]:
       self.alloc.decref(pages)
-    del tree._page_refs[n_refs:]
+    del st.page_refs[n_refs:]
     del tree.nodes[n_nodes:]
     for n in tree.nodes:
       n.children = [c for c in n.children if c < n_nodes]
-    for k in [k for k in tree._kv if k >= n_nodes]:
-      del tree._kv[k]
+    for k in [k for k in st.kv if k >= n_nodes]:
+      del st.kv[k]
 
   def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False,
           sync_refill: bool = False) -> list[Tree]:
@@ -335,7 +390,7 @@ class SamplerEngine:
     finally:
       for i, b in enumerate(self.slots):
         if b is not None:  # only on error: hand the branch's pages to its tree for release
-          b.tree._page_refs.append(b.pages)
+          b.state.page_refs.append(b.pages)
           self.slots[i] = None
       self._jobs = []
     return trees
@@ -351,13 +406,14 @@ class SamplerEngine:
         if not 1 <= len(ids) < self.cfg.max_seq_len:
           raise ValueError(
               f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
+        uid = self._next_uid if req.uid is None else int(req.uid)
+        if uid in self._trees:  # its record (pages, rng streams) would be another tree's
+          raise ValueError(f"tree uid {uid} is still live on this engine; release that tree "
+                           f"before reusing its uid")
         if req.uid is None:
-          tree = Tree(ids, uid=self._next_uid, meta=req.meta, prompt_text=req.prompt_text)
           self._next_uid += 1
-        else:
-          tree = Tree(ids, uid=int(req.uid), meta=req.meta, prompt_text=req.prompt_text)
-        tree._nbranches = 0
-        self.live_trees[tree.uid] = tree
+        tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
+        st = self._trees[uid] = TreeState(tree)
         node_id, count = 0, req.n
       else:
         tree, node_id, count = req.tree, req.node, req.k
@@ -368,22 +424,26 @@ class SamplerEngine:
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
                            f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
                            f"anchor")
-        if tree.uid not in self.live_trees or (node_id not in tree._kv and node_id != 0):
+        st = self._trees.get(tree.uid)
+        if st is None or (node_id not in st.kv and node_id != 0):
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
                            f"released (fork before calling engine.release)")
+        if st.tree is not tree:  # the forks would grow a tree the KV map does not describe
+          raise ValueError(f"cannot fork from tree {tree.uid}: it is a copy, not the tree this "
+                           f"engine sampled under that uid")
       # (worker, shard) queues: a tree keeps its shard (its pages live there) and, when it can,
       # its worker; otherwise the least loaded queue takes it.
-      shard = tree.__dict__.get("_shard")
-      cands = [c for c in load if shard is None or c[1] == shard]
-      prefer = [c for c in cands if c[0] == tree.worker]
+      cands = [c for c in load if st.shard is None or c[1] == st.shard]
+      prefer = [c for c in cands if c[0] == st.worker]
       pick = min(prefer or cands, key=lambda c: load[c])
-      tree.worker, tree._shard = pick
+      st.worker, st.shard = pick
       load[pick] += count
-      self._pending[pick].extend([(tree, node_id)] * count)
+      self._pending[pick].extend([(st, node_id)] * count)
       if all(t is not tree for t in trees):
         trees.append(tree)
     if self.cfg.prompt_mean_features:
-      self._set_prompt_means([t for t in trees if t.__dict__.get("_prompt_mean") is None])
+      states = [self._trees[t.uid] for t in trees]
+      self._set_prompt_means([st for st in states if st.prompt_mean is None])
     return trees
 
   # ---- main loop ---------------------------------------------------------------------------------
@@ -416,17 +476,19 @@ class SamplerEngine:
     if not starts:
       return
     cfg = self.cfg
-    for _, tree, node_id in starts:  # the prompt's K/V must exist before it is forked
-      if node_id == 0 and 0 not in tree._kv:
-        n = len(tree.prompt_ids) - 1
-        pages = self.alloc.alloc(-(-n // cfg.page_size), tree._shard)
-        tree._page_refs.append(pages)
-        tree._kv[0] = (pages, n)
-        self._jobs.append([None, pages, 0, list(tree.prompt_ids[:-1])])
+    for _, st, node_id in starts:  # the prompt's K/V must exist before it is forked
+      if node_id == 0 and 0 not in st.kv:
+        prompt = st.tree.prompt_ids
+        n = len(prompt) - 1
+        pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
+        st.page_refs.append(pages)
+        st.kv[0] = (pages, n)
+        self._jobs.append([None, pages, 0, list(prompt[:-1])])
     self._flush_prefill()
     src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
-    for slot, tree, node_id in starts:
-      pages, kv_len = tree._kv[node_id]
+    for slot, st, node_id in starts:
+      tree = st.tree
+      pages, kv_len = st.kv[node_id]
       # Share the anchor's full pages (never written again); copy the partial last one. Without
       # sharing (an ablation), every page is copied.
       full = kv_len // cfg.page_size if cfg.share_prefix else 0
@@ -438,16 +500,17 @@ class SamplerEngine:
       dst[shard] += own
       self.alloc.incref(shared)
       node = tree.nodes[node_id]
-      serial = tree.__dict__.setdefault("_nbranches", 0)
-      tree._nbranches += 1
+      serial = st.branches
+      st.branches += 1
       seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
-      b = _Branch(tree, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
+      b = _Branch(st, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
                   seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
       b.serial, b.shard = serial, shard
       b.feature_for = node_id if node.feature is None else None
       b.turn_limit = self._turn_limit(b)
       self.slots[slot] = b
-      self.starts.append((slot, tree.uid))
+      if self.record_steps:
+        self.starts.append((slot, tree.uid))
       self.ledger.rollouts_started += 1
     for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
       s_ids, d_ids = [], []
@@ -567,7 +630,7 @@ class SamplerEngine:
     out = jax.device_get(out)
     counts = np.asarray(out["count"])
     n_steps = int(counts[decoding].max())
-    for j in range(n_steps):
+    for j in range(n_steps if self.record_steps else 0):
       busy = np.zeros(num_workers, np.int32)
       live = [i for i in decoding if counts[i] > j]
       np.add.at(busy, self.slot_worker[live], 1)
@@ -579,7 +642,7 @@ class SamplerEngine:
     for i in decoding:
       b = self.slots[i]
       if b.feature_for is not None:
-        b.tree.nodes[b.feature_for].feature = self._node_feature(b.tree, out["hidden"][i])
+        b.tree.nodes[b.feature_for].feature = self._node_feature(b.state, out["hidden"][i])
         b.feature_for = None
       if b.final:
         b.kv_len += 1
@@ -673,22 +736,12 @@ class SamplerEngine:
       self._jobs.append([b, b.pages, b.kv_len, tokens])
       b.kv_len += len(tokens)
       b.pending = obs[-1]
-    b.tree._kv[node.id] = (b.pages, b.kv_len)
+    b.state.kv[node.id] = (b.pages, b.kv_len)
 
   def _fit_observation(self, obs_text: str, limit: int) -> list[int]:
-    """At most `limit` token ids of the observation; a cut keeps `</information>` last, so the
-    policy never continues inside an observation it was not shown the end of."""
-    obs = [int(t) for t in self.encode(obs_text)]
-    if len(obs) <= limit:
-      return obs
-    k = obs_text.rfind(react.INFO_CLOSE)
-    if k < 0 or limit <= 0:
-      return obs[:limit]
-    closing = [int(t) for t in self.encode(obs_text[k:])]
-    if len(closing) > limit:
-      return obs[:limit]
-    body = [int(t) for t in self.encode(obs_text[:k])]
-    return react.truncate_observation(body + closing, limit, closing)
+    """At most `limit` token ids of the observation; a cut keeps the caller's
+    `observation_close` marker last (see `sampling.observation.fit_observation_ids`)."""
+    return fit_observation_ids(self.encode, obs_text, limit, self.observation_close)
 
   def _finish(self, i):
     b = self.slots[i]
@@ -709,9 +762,9 @@ class SamplerEngine:
     if spare:
       del b.pages[len(b.pages) - len(spare):]
       self.alloc.decref(spare)
-    b.tree._page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
+    b.state.page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
     self.slots[i] = None
 
 
 __all__ = ["DEFAULT_STOP_STRINGS", "EnvStep", "ForkRequest", "Ledger", "PromptRequest",
-           "SamplerConfig", "SamplerEngine", "TurnRef"]
+           "SamplerConfig", "SamplerEngine", "TreeState", "TurnRef"]

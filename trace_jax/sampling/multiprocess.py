@@ -13,8 +13,9 @@ that every process returns the same list, in request order:
   requests first), and keeps that process for all its forks; its uid is its index among the
   call's prompts (from the engine's uid base), so its rollouts draw the rng streams they would on
   any process count;
-- a tree sampled by another process is a host copy without KV pages; a later fork on it runs on
-  its owner, and the copy is brought up to date in place (the caller's references stay valid);
+- a tree sampled by another process is a host copy (a `Tree` is plain data; its KV pages and the
+  engine's record of it stay with the owner's engine); a later fork on it runs on its owner, and
+  the copy is brought up to date in place (the caller's references stay valid);
 - `ledger` is the sum of every process's ledger; `prompt_features` splits the prompts and gathers
   the features; `release` frees the trees this process holds pages for and forgets the copies.
 
@@ -24,7 +25,6 @@ the step exactly as one process would, from the same inputs on every process.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
@@ -56,14 +56,6 @@ def sampling_copy(params_state, mesh, num_kv_heads: int):
                       is_leaf=is_var)
 
 
-def _portable(tree):
-  """A shallow copy of a tree without the engine's bookkeeping (KV pages), for another process."""
-  out = copy.copy(tree)
-  out._kv, out._page_refs = {}, []
-  out.__dict__.pop("_shard", None)
-  return out
-
-
 def _fingerprint(reqs, uids) -> int:
   """A hash of a call's requests (what every process must agree on)."""
   return hash(tuple((u, r.n, tuple(map(int, r.prompt_ids))) if isinstance(r, PromptRequest) else
@@ -90,7 +82,7 @@ class ProcessShardedEngine:
     self._copies: dict[int, object] = {}   # uid -> host copy of another process's tree
     self._next_uid = 0
 
-  # ---- the engine's API ----------------------------------------------------------------------------
+  # ---- the engine's API --------------------------------------------------------------------------
   @property
   def cfg(self):
     return self.inner.cfg
@@ -149,7 +141,7 @@ class ProcessShardedEngine:
     trees = self.inner.run(mine, **kw) if mine else []
     local = {t.uid: t for t in trees}
     delta = _ledger_delta(self.inner.ledger.as_dict(), before)
-    parts = allgather_object(([_portable(t) for t in trees], delta, _fingerprint(reqs, uid)))
+    parts = allgather_object((trees, delta, _fingerprint(reqs, uid)))
     if any(f != parts[0][2] for _, _, f in parts):
       raise RuntimeError("the processes issued different sampling requests (their allocations "
                          "diverged); a multi-process run needs every host decision to agree")
@@ -160,7 +152,8 @@ class ProcessShardedEngine:
         if p == self.rank:
           continue
         if t.uid in self._copies:  # bring the caller's copy up to date in place
-          self._copies[t.uid].__dict__.update(t.__dict__)
+          held = self._copies[t.uid]
+          held.meta, held.nodes = t.meta, t.nodes
         else:
           self._copies[t.uid] = t
     out, seen = [], set()

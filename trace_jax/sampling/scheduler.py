@@ -13,7 +13,9 @@ slowest turn of the batch, the environment runs for all of them, and a new batch
 every trajectory of the previous one has finished (or, with refill, free slots take new branches
 at each turn barrier).
 
-Utilization is busy slot-steps / total slot-steps over the decode steps of a run.
+Utilization is busy slot-steps / total slot-steps over the decode steps of a run. It reads the
+engine's per-step log, which an engine keeps only when built with `record_steps` (the most recent
+decode steps kept); a run longer than that is refused rather than reported on part of its steps.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ class UtilizationReport:
 
 def utilization_report(engine: SamplerEngine, start_step: int, mode: str, num_workers: int,
                        generated_tokens: int = 0, wall_s: float = 0.0) -> UtilizationReport:
-  """Summarizes `engine.step_log[start_step:]` (busy slots per worker, one row per decode step)."""
+  """Summarizes `engine.step_log[start_step:]` (busy slots per worker, one row per decode step:
+  i32[num_workers] each)."""
   s = engine.cfg.num_slots
-  log = np.asarray(engine.step_log[start_step:], np.int64).reshape(-1, num_workers)
+  log = np.asarray(list(engine.step_log)[start_step:], np.int64).reshape(-1, num_workers)
   steps = log.shape[0]
   busy = log.sum(axis=1)
   per_worker_slots = np.bincount(engine.slot_worker, minlength=num_workers)
@@ -83,12 +86,20 @@ def utilization_report(engine: SamplerEngine, start_step: int, mode: str, num_wo
 
 
 def _run(engine, requests, mode, num_workers, sync_turns, sync_refill=False):
-  start, tokens0 = len(engine.step_log), engine.ledger.generated_tokens
+  if not engine.record_steps:
+    raise ValueError("utilization needs the engine's step log: build the SamplerEngine with "
+                     "record_steps > 0 (the decode steps it keeps)")
+  engine.step_log.clear()  # the report covers this run alone
+  tokens0, steps0 = engine.ledger.generated_tokens, engine.ledger.decode_steps
   t0 = time.perf_counter()
   trees = engine.run(requests, num_workers=num_workers, sync_turns=sync_turns,
                      sync_refill=sync_refill)
   wall = time.perf_counter() - t0
-  return trees, utilization_report(engine, start, mode, num_workers,
+  steps = engine.ledger.decode_steps - steps0
+  if steps > len(engine.step_log):  # the bounded log dropped the run's first steps
+    raise RuntimeError(f"the run made {steps} decode steps but the engine keeps the last "
+                       f"{engine.record_steps}; build it with a larger record_steps")
+  return trees, utilization_report(engine, 0, mode, num_workers,
                                    engine.ledger.generated_tokens - tokens0, wall)
 
 

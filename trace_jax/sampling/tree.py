@@ -79,20 +79,17 @@ class Tree:
     uid: unique id (set by whoever creates the tree, e.g. the sampler).
     nodes: list of `Node`, nodes[0] is the root (the prompt).
     meta: free-form per-prompt data (question, gold answers, ...) for the environment and trainer.
-    worker: id of the worker that owns the tree (task affinity), or -1.
+
+  A tree is data only: the sampler keeps its own bookkeeping of a live tree (KV pages, worker,
+  shard, branch counter) by uid, until `SamplerEngine.release`.
   """
 
   def __init__(self, prompt_ids: Sequence[int], uid: int = 0, meta: dict | None = None,
                prompt_text: str = ""):
     self.uid = uid
     self.meta = dict(meta or {})
-    self.worker = -1
     self.nodes: list[Node] = [Node(id=0, parent=-1, depth=0, obs_ids=list(map(int, prompt_ids)),
                                    obs_text=prompt_text)]
-    # Engine bookkeeping, never serialized: per node (page list, kv tokens written) and the page
-    # references the tree holds until the sampler releases it.
-    self._kv: dict[int, tuple[list[int], int]] = {}
-    self._page_refs: list[list[int]] = []
 
   # ---- structure ---------------------------------------------------------------------------------
   @property
@@ -178,12 +175,11 @@ class Tree:
       d = dataclasses.asdict(n)
       d["feature"] = None if n.feature is None else np.asarray(n.feature, np.float32).tolist()
       nodes.append(d)
-    return {"uid": self.uid, "meta": self.meta, "worker": self.worker, "nodes": nodes}
+    return {"uid": self.uid, "meta": self.meta, "nodes": nodes}
 
   @classmethod
   def from_dict(cls, d: dict) -> "Tree":
-    tree = cls([], uid=d["uid"], meta=d.get("meta"))
-    tree.worker = d.get("worker", -1)
+    tree = cls([], uid=d["uid"], meta=d.get("meta"))  # (a "worker" key of older files: ignored)
     tree.nodes = []
     for nd in d["nodes"]:
       nd = dict(nd)
