@@ -6,7 +6,7 @@ once; "duplicated" runs `paged_attention_reference` where every branch holds its
 prefix pages (what an engine without prefix sharing does). Both are timed side by side in one
 process (interleaved runs, median after warm-up) on the default JAX backend.
 
-  python benchmarks/bench_tree_attention.py            # writes results/tree_attention_cpu.{json,png}
+  python benchmarks/bench_tree_attention.py           # writes results/tree_attention_cpu.{json,png}
   python benchmarks/bench_tree_attention.py --reps 5 --prefix 256,1024 --branches 4,16
 """
 

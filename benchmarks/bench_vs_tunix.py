@@ -83,7 +83,7 @@ MODELS = {
 TOK = IdTokenizer()
 
 
-# ---- pure helpers ----------------------------------------------------------------------------------
+# ---- pure helpers --------------------------------------------------------------------------------
 def matmul_params(cfg: Qwen3Config) -> int:
   """Weights a decode step multiplies by per token: every layer's projections (and norms) plus the
   LM head matrix (the tied embedding, or lm_head); the embedding lookup is not a matmul."""
@@ -122,7 +122,7 @@ def summarize(ours: list[float], tunix: list[float]) -> dict:
           "round_ratios": pairs, "median_round_ratio": float(np.median(pairs))}
 
 
-# ---- machine ---------------------------------------------------------------------------------------
+# ---- machine -------------------------------------------------------------------------------------
 def matmul_gflops(n: int = 1024, reps: int = 5) -> float:
   """Median GFLOP/s of a jitted f32 [n, n] @ [n, n] (2 n^3 FLOPs)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -137,7 +137,7 @@ def matmul_gflops(n: int = 1024, reps: int = 5) -> float:
   return 2 * n ** 3 / float(np.median(ts)) / 1e9
 
 
-# ---- Tunix side -------------------------------------------------------------------------------------
+# ---- Tunix side ----------------------------------------------------------------------------------
 class TunixIdTokenizer:
   """Tunix's tokenizer interface over our id <-> "w{i}" words: no BOS, pad 0 (never in a prompt),
   EOS unused (the calls pass an EOS id that never occurs)."""
@@ -206,7 +206,7 @@ def tunix_generate(sampler, contexts, gen: int, max_prompt_length=None, greedy=F
   return out.tokens, int(sum(len(t) for t in out.tokens))
 
 
-# ---- our side ---------------------------------------------------------------------------------------
+# ---- our side ------------------------------------------------------------------------------------
 def _done(calls):
   return [(None, True, 0.0)] * len(calls)
 
@@ -288,7 +288,7 @@ class TreeEnv:
     return out
 
 
-# ---- sanity check ------------------------------------------------------------------------------------
+# ---- sanity check --------------------------------------------------------------------------------
 def sanity(name, cfg, model, tmodel, graphdef, state, decode_steps):
   """Logits of both modules on the same prompts; greedy tokens of both samplers."""
   rng = np.random.default_rng(123)
@@ -322,7 +322,7 @@ def sanity(name, cfg, model, tmodel, graphdef, state, decode_steps):
   return out
 
 
-# ---- workloads ----------------------------------------------------------------------------------------
+# ---- workloads -----------------------------------------------------------------------------------
 def plain_workload(graphdef, state, cfg, tmodel, *, rows, prompt_len, gen, group, decode_steps,
                    tree_attention=True):
   """rows // group prompts, each sampled `group` times (group 1: a plain batch). Returns
@@ -350,7 +350,8 @@ def plain_workload(graphdef, state, cfg, tmodel, *, rows, prompt_len, gen, group
     _, n = tunix_generate(sampler, ctx, gen, max_prompt_length=prompt_len, seed=next(seeds))
     return n, time.perf_counter() - t0, {}
 
-  meta = {"rows": rows, "prompts": prompts, "samples_per_prompt": group, "prompt_tokens": prompt_len,
+  meta = {"rows": rows, "prompts": prompts, "samples_per_prompt": group,
+          "prompt_tokens": prompt_len,
           "generated_per_row": gen, "tunix_cache_size": prompt_len + gen,
           "ours": {"num_slots": rows, "decode_steps": engine.cfg.decode_steps, "page_size": 16,
                    "tree_attention": tree_attention, "prefill_chunk": prompt_len,

@@ -10,7 +10,8 @@ connections, the server killed and restarted). After a process fault the trial r
 command, as a scheduler would, until the run finishes. Every finished run must equal the reference:
 the same RL and eval records (timings and retriever counters aside: faults cost retries) and
 bit-identical final parameters. A `nan` fault gives one random RL step a NaN loss
-(`tests/faults.py --nan_steps`): that trial's reference is an uninterrupted run with the same NaN, and the
+(`tests/faults.py --nan_steps`): that trial's reference is an uninterrupted run with the same
+NaN, and the
 trial must also show the step skipped (recorded, counted once) and every saved array finite.
 Writes every fault tried and its outcome to `--out`.
 """

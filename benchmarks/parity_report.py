@@ -1,6 +1,7 @@
 """Measures Qwen3 parity against `transformers` on the parity tests' random tiny models.
 
-  python benchmarks/parity_report.py      # needs torch (the test extra); writes results/qwen3_parity.json
+  python benchmarks/parity_report.py      # needs torch (the test extra); writes
+                                          # results/qwen3_parity.json
 
 The tests assert a 1e-4 bound; this records the actual largest differences they allow through.
 """

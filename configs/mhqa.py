@@ -20,7 +20,8 @@ DEFAULT_TRAP_RATE = 0.7  # SyntheticWorldConfig.trap_rate: the world of every ea
 def _base():
   c = ml_collections.ConfigDict()
   c.variant = "tiny"
-  c.method = "trace_tree"   # a registered strategy: trace_tree (tree-aware), trace (paper), grpo, ...
+  c.method = "trace_tree"   # a registered strategy: trace_tree (tree-aware), trace (paper),
+  #                           grpo, ...
   c.seed = 0
   c.workdir = ""            # default: runs/<variant>-<method>-<time>
   c.mesh = "data:-1,fsdp:1,tensor:1"  # mesh axes; -1 takes the remaining devices
@@ -36,7 +37,8 @@ def _base():
   c.model.intermediate_size = 384
   c.model.predictor_hidden = 128  # width of the success predictor's MLP
   # What the head reads at a prefix: "last" (the final state at its last token) or
-  # "last+prompt_mean" (and the mean final state over the prompt; projects/mhqa/results/feature_probe.json)
+  # "last+prompt_mean" (and the mean final state over the prompt;
+  # projects/mhqa/results/feature_probe.json)
   c.model.predictor_features = "last"
 
   c.world = ml_collections.ConfigDict()   # the synthetic world (ignored with real data)
@@ -90,7 +92,8 @@ def _base():
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 16
   c.rollout.candidate_prompts = 48  # trace/trace_tree/root_only: prompts scored by p̂ per step, of
-  #                                   which prompts_per_step get rollouts (> prompts_per_step = pool)
+  #                                   which prompts_per_step get rollouts
+  #                                   (> prompts_per_step = pool)
   c.rollout.root_budget = 96      # M_root: stage-1 rollouts over the step's prompts
   c.rollout.min_per_prompt = 2
   c.rollout.max_per_prompt = 12
@@ -115,7 +118,8 @@ def _base():
   c.rollout.calibrate_prior = 10.0  # pseudo-pairs of evidence for the identity map
   c.rollout.dapo_oversample = 1.5  # dapo: prompts sampled per kept prompt
   c.rollout.arpo_entropy_top = 0.25  # arpo: share of candidate anchors with highest entropy
-  c.rollout.temperature = 0.8     # at 1.0 the tiny policy's tail over entity names sinks most rollouts
+  c.rollout.temperature = 0.8     # at 1.0 the tiny policy's tail over entity names sinks
+  #                                 most rollouts
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.num_slots = 64
@@ -146,7 +150,8 @@ def _base():
   c.rl.remat = "none"          # per-layer rematerialization in the update: none | full | dots
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
-  c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates in a row
+  c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates
+  #                                  in a row
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()

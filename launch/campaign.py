@@ -8,7 +8,8 @@ A `launch/compare.py` output directory holds
 
 where `<run>` is `<regime>/<budget>/<method>-seed<seed>`, the run's workdir under `--runs`
 (`<workdir>/summary.json`, `<workdir>/metrics.jsonl`). compare.py writes the archive; the
-readers (`projects/mhqa/results_table.py`, `projects/mhqa/repro_check.py`, `projects/mhqa/trap_discovery.py` and
+readers (`projects/mhqa/results_table.py`, `projects/mhqa/repro_check.py`,
+`projects/mhqa/trap_discovery.py` and
 compare.py's own summary) read it through the functions here, so the layout is named once.
 """
 

@@ -27,7 +27,8 @@ Regimes:
                 0.42/0.56/0.48/0.23 of the time for 1-4 hops, so the mix is what brings GRPO's
                 effective ratio to about 0.3.
 
-Writes to --out (default projects/mhqa/results/compare): summary.json ({"runs": [...], "aggregates": [...]}),
+Writes to --out (default projects/mhqa/results/compare): summary.json
+({"runs": [...], "aggregates": [...]}),
 summary.md (mean and spread over seeds), em_vs_tokens.png, effective_ratio.png, reliability.png
 and anchor_depths.png.
 
@@ -410,8 +411,9 @@ def markdown(aggs) -> str:
   order = {m: i for i, m in enumerate(METHODS)}
   for regime, budget in sorted({(a["regime"], a["budget"]) for a in aggs}):
     lines += [f"### {regime}, equal {budget}", "",
-              "| method | seeds | EM final | effective ratio | mixed groups / step | 1-ER vs grpo | "
-              "EM - grpo | generated tokens | rollouts | stage-1 mixed | slice AUC | anchor depth |",
+              "| method | seeds | EM final | effective ratio | mixed groups / step | "
+              "1-ER vs grpo | EM - grpo | generated tokens | rollouts | stage-1 mixed | "
+              "slice AUC | anchor depth |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted((a for a in aggs if (a["regime"], a["budget"]) == (regime, budget)),
                   key=lambda a: order.get(a["method"], 99))

@@ -155,7 +155,8 @@ def describe_policy(params, mesh) -> dict:
   return dict(dtypes=sorted({str(x.dtype) for x in leaves}), mesh=dict(mesh.shape),
               arrays=len(leaves),
               sharded=sum(1 for x in leaves
-                          if not getattr(x, "sharding", None) or not x.sharding.is_fully_replicated))
+                          if not getattr(x, "sharding", None)
+                          or not x.sharding.is_fully_replicated))
 
 
 def _examples_from_file(path, fmt, source, encode, bos_id, prompt_fn):
@@ -190,7 +191,8 @@ def summarize(res: dict, examples: list) -> dict:
               macro=dict(em=mean([v["em"] for v in per_source.values()]),
                          f1=mean([v["f1"] for v in per_source.values()])),
               em_by_hops={str(h): v for h, v in res["em_by_hops"].items()},
-              em_by_seen=res["em_by_seen"], mean_turns=res["mean_turns"], generated_tokens=int(res["generated_tokens"]))
+              em_by_seen=res["em_by_seen"], mean_turns=res["mean_turns"],
+              generated_tokens=int(res["generated_tokens"]))
 
 
 def main(argv):

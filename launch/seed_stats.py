@@ -133,7 +133,8 @@ def spearman_test(x, y, fitted: int = 0) -> dict | None:
 
 
 def fmt(s, digits: int = 3) -> str:
-  """A `stats` dict as `mean ± std` (the mean alone for one value), a float with its sign, or `-`."""
+  """A `stats` dict as `mean ± std` (the mean alone for one value), a float with its sign, or
+  `-`."""
   if s is None:
     return "-"
   if isinstance(s, dict):

@@ -30,7 +30,8 @@ TAGS = ("<think>", "</think>", "<search>", "</search>", "<information>", "</info
 
 # The tiny model: 2 layers, hidden 64, 4 query / 2 KV heads of 16 (the KV heads divide tensor:2).
 MODEL = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=1024,
              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 _SYL = ("ka", "lo", "mi", "ra", "te", "vo", "shu", "ne", "bar", "dim", "gol", "pes", "quin", "zor")

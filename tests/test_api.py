@@ -1,4 +1,5 @@
-"""The public API: lazy top-level exports, the README's list of them, docstring examples, jit/vmap."""
+"""The public API: lazy top-level exports, the README's list of them, docstring examples,
+jit/vmap."""
 
 import doctest
 import functools

@@ -15,7 +15,8 @@ from trace_jax.sampling.engine import PromptRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("bench_vs_tunix",
-                                               os.path.join(ROOT, "benchmarks", "bench_vs_tunix.py"))
+                                               os.path.join(ROOT, "benchmarks",
+                                                            "bench_vs_tunix.py"))
 bvt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bvt)
 

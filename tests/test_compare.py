@@ -154,7 +154,8 @@ def test_carried_rows(tmp_path):
   assert got[("trace_tree", "tokens")] is None  # its token-budget run is another run
   assert compare.carried_rows(str(tmp_path / "absent"), set()) == {}  # no summary yet
   # A summary rewritten for a subset keeps the other runs' rows, and they can be carried again.
-  assert [r["run"] for r in compare.earlier_rows(str(tmp_path), {"default/rollouts/grpo-seed0"})] == [
+  assert [r["run"] for r in compare.earlier_rows(str(tmp_path),
+                                                 {"default/rollouts/grpo-seed0"})] == [
       "default/rollouts/trace_tree-seed0"]
   path.write_text(json.dumps({"runs": old["runs"][:1], "earlier_runs": old["runs"][1:]}))
   again = compare.carried_rows(str(tmp_path), {"default/rollouts/trace_tree-seed0"})

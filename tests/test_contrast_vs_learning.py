@@ -1,4 +1,5 @@
-"""`projects/mhqa/contrast_vs_learning.py`: contrast per step against learning, over archived runs."""
+"""`projects/mhqa/contrast_vs_learning.py`: contrast per step against learning, over archived
+runs."""
 
 import gzip
 import importlib.util

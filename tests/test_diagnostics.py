@@ -4,7 +4,8 @@ import types
 
 import pytest
 
-from trace_jax.diagnostics import FAILURE_KINDS, classify_failure, failure_breakdown, trap_allocation
+from trace_jax.diagnostics import (FAILURE_KINDS, classify_failure, failure_breakdown,
+                                   trap_allocation)
 from trace_jax.sampling.tree import Tree
 
 # A 2-hop question: Zantro --founded_by--> Kelmor --born_in--> Ostra. founded_by is a trap whose

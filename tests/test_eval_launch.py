@@ -132,7 +132,8 @@ def test_eval_clear_errors(run, args, message):
 
 
 def test_probe_a_trained_run(run, tmp_path):
-  """`projects/mhqa/probe_warm_start.py --workdir`: the run's policy (its config and latest checkpoint),
+  """`projects/mhqa/probe_warm_start.py --workdir`: the run's policy (its config and latest
+  checkpoint),
   greedy on the test split as its trees (whose EM is the evaluation's) and sampled in groups on
   train prompts, with the outcome breakdown of every rollout."""
   out = tmp_path / "probe.json"

@@ -8,7 +8,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("policy_outcomes",
-                                               os.path.join(ROOT, "projects", "mhqa", "policy_outcomes.py"))
+                                               os.path.join(ROOT, "projects", "mhqa",
+                                                            "policy_outcomes.py"))
 po = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(po)
 

@@ -56,7 +56,8 @@ def test_logits_and_hidden_states_match_transformers(tmp_path, name):
   out = ours.forward(jnp.asarray(x), collect_hidden=True)
   assert len(out["hidden_states"]) == len(ref.hidden_states)
   for layer, (a, b) in enumerate(zip(out["hidden_states"], ref.hidden_states)):
-    np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=1e-4, rtol=0, err_msg=f"layer {layer}")
+    np.testing.assert_allclose(np.asarray(a), b.numpy(), atol=1e-4, rtol=0,
+                               err_msg=f"layer {layer}")
   err = np.abs(np.asarray(out["logits"]) - ref.logits.numpy()).max()
   assert err < 1e-4, err
 

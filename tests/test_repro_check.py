@@ -1,4 +1,5 @@
-"""`projects/mhqa/repro_check.py`: a rerun of a campaign's runs compared with the archived records."""
+"""`projects/mhqa/repro_check.py`: a rerun of a campaign's runs compared with the archived
+records."""
 
 import gzip
 import json
@@ -65,7 +66,8 @@ def test_script(tmp_path):
   ref = _campaign(tmp_path / "a", {"r/grpo-seed0": (ROW, RECS)})
   new = _campaign(tmp_path / "b", {"r/grpo-seed0": (ROW, RECS)})
   out = tmp_path / "o" / "repro"
-  subprocess.run([sys.executable, "projects/mhqa/repro_check.py", f"--reference={ref}", f"--rerun={new}",
+  subprocess.run([sys.executable, "projects/mhqa/repro_check.py", f"--reference={ref}",
+                  f"--rerun={new}",
                   f"--out={out}"], cwd=ROOT, check=True, capture_output=True)
   data = json.loads((tmp_path / "o" / "repro.json").read_text())
   assert data["runs"][0]["identical"] and "projects/mhqa/repro_check.py" in data["command"]

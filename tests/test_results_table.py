@@ -122,7 +122,8 @@ def test_script(tmp_path):
   _summary(tmp_path / "a", "grpo", [(0, [0.2, 0.2]), (1, [0.2, 0.3])])
   _summary(tmp_path / "b", "trace_tree", [(0, [0.2, 0.3]), (1, [0.2, 0.35])])
   out = tmp_path / "res" / "table"
-  p = subprocess.run([sys.executable, "projects/mhqa/results_table.py", f"--arm={tmp_path / 'a'}:grpo:grpo",
+  p = subprocess.run([sys.executable, "projects/mhqa/results_table.py",
+                      f"--arm={tmp_path / 'a'}:grpo:grpo",
                       f"--arm={tmp_path / 'b'}:trace_tree:trace tree's (x)", "--eval_steps=2",
                       f"--table_out={out}"], cwd=ROOT, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, text=True, timeout=120)

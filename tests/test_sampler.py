@@ -1,4 +1,5 @@
-"""Sampler engine: token-by-token agreement with a plain forward, forks, limits, pool, compilation."""
+"""Sampler engine: token-by-token agreement with a plain forward, forks, limits, pool,
+compilation."""
 
 import jax
 import jax.numpy as jnp

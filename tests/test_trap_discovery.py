@@ -1,4 +1,5 @@
-"""`projects/mhqa/trap_discovery.py`: early trap-hop rollouts of archived runs against learning speed."""
+"""`projects/mhqa/trap_discovery.py`: early trap-hop rollouts of archived runs against learning
+speed."""
 
 import gzip
 import importlib.util

@@ -8,7 +8,8 @@ from trace_jax.sampling.tree import Tree, load_trees, render_png, render_text, s
 
 
 def make_tree(uid=0):
-  """root(prompt 3 tokens) -> a (anchor) -> {b leaf r=1, c anchor -> d leaf r=0}; root -> e leaf r=0."""
+  """root(prompt 3 tokens) -> a (anchor) -> {b leaf r=1, c anchor -> d leaf r=0};
+  root -> e leaf r=0."""
   t = Tree([1, 2, 3], uid=uid, meta={"question": "q"})
   a = t.add_node(0, gen_ids=[4, 5], logprobs=[-0.1, -0.2], obs_ids=[6, 7, 8])
   b = t.add_node(a.id, gen_ids=[9], logprobs=[-0.3], done=True, reward=1.0)

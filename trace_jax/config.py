@@ -265,5 +265,6 @@ def driver_config(c: TrainConfig):
 
 
 
-__all__ = ["CkptSection", "driver_config", "sampler_config", "update_config", "DataSection", "EnvSection", "EvalSection", "ModelSection", "RLSection",
+__all__ = ["CkptSection", "driver_config", "sampler_config", "update_config", "DataSection",
+           "EnvSection", "EvalSection", "ModelSection", "RLSection",
            "RetrieverSection", "RolloutSection", "SftSection", "TrainConfig", "WorldSection"]

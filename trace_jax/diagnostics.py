@@ -79,7 +79,7 @@ def trap_allocation(examples, trees, world) -> dict:
   return out
 
 
-# ---- why rollouts fail ----------------------------------------------------------------------------
+# ---- why rollouts fail ---------------------------------------------------------------------------
 FAILURE_KINDS = ("no_answer", "misled", "wrong_entity", "search_missed", "wrong_answer")
 
 

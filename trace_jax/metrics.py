@@ -112,7 +112,8 @@ def plot_run(workdir: str, records: list[dict], calibration: dict | None = None)
   ax[1].set(xlabel="generated tokens (cumulative)", ylabel="greedy held-out EM",
             title="accuracy vs sampling cost")
   if steps:
-    ax[2].plot([r["step"] for r in steps], [r["effective_ratio"] for r in steps], label="trained trees")
+    ax[2].plot([r["step"] for r in steps], [r["effective_ratio"] for r in steps],
+               label="trained trees")
     ax[2].plot([r["step"] for r in steps], [r.get("stage1_mixed", np.nan) for r in steps],
                label="after stage 1")
     if any("stage1_predicted_mixed" in r for r in steps):  # what the root allocation expected

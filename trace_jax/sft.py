@@ -125,7 +125,8 @@ def make_sft_step(graphdef, tx):
 def sft_train(graphdef, params, packed: dict[str, np.ndarray], cfg: SFTConfig, seed: int = 0,
               log: Callable[[int, dict], None] | None = None, desc: str = "warm start"):
   """Trains on packed rows (resampled each epoch); returns (params, history list of dicts)."""
-  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
+  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup,
+                                             max(cfg.steps, cfg.warmup + 1),
                                              cfg.lr * cfg.min_lr_ratio)
   tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                    optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay))

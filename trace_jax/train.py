@@ -199,7 +199,8 @@ class LoopState:
 
   @property
   def skip_streak(self) -> int:
-    """Consecutive updates skipped as non-finite (the update's own count, `train["skip_streak"]`)."""
+    """Consecutive updates skipped as non-finite (the update's own count,
+    `train["skip_streak"]`)."""
     return int(fetch(self.train["skip_streak"]))
 
 

@@ -25,8 +25,10 @@ so a seed effect can show in several arms at once; read small p as an upper boun
 Up to 8 points (often the across-arm reading) the p is exact over all orderings.
 
   python projects/mhqa/contrast_vs_learning.py \\
-    --group="default world, 12 steps=projects/mhqa/results/compare_early,projects/mhqa/results/compare_early_hard" \\
-    --group="trap world, 16 steps=projects/mhqa/results/compare_trap09,projects/mhqa/results/compare_trap09_hard"
+    --group="default world, 12 steps=projects/mhqa/results/compare_early,\\
+projects/mhqa/results/compare_early_hard" \\
+    --group="trap world, 16 steps=projects/mhqa/results/compare_trap09,\\
+projects/mhqa/results/compare_trap09_hard"
 
 Writes --out.json (the command, per group the runs and the correlations), --out.md and --out.png
 (mean EM over the run against mixed groups per step, one panel per group).

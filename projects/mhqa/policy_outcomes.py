@@ -3,7 +3,8 @@
   python projects/mhqa/probe_warm_start.py --temperatures=0.8 --offline_fit=false \
       --out=projects/mhqa/results/policy_probe/warm_start.json
   python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/grpo-seed3 \
-      --temperatures=0.8 --offline_fit=false --out=projects/mhqa/results/policy_probe/grpo-seed3.json
+      --temperatures=0.8 --offline_fit=false \
+      --out=projects/mhqa/results/policy_probe/grpo-seed3.json
   python projects/mhqa/policy_outcomes.py --probes=projects/mhqa/results/policy_probe
 
 Reads every probe JSON under --probes (the one without a policy is the warm start) and writes
@@ -26,7 +27,8 @@ sys.path.insert(0, _ROOT)
 
 from trace_jax.diagnostics import FAILURE_KINDS  # noqa: E402
 
-_PROBES = flags.DEFINE_string("probes", "projects/mhqa/results/policy_probe", "directory of probe JSONs")
+_PROBES = flags.DEFINE_string("probes", "projects/mhqa/results/policy_probe",
+                              "directory of probe JSONs")
 KINDS = ("success", *FAILURE_KINDS)
 
 

@@ -17,7 +17,8 @@ With --workdir, the policy probed is a training run's (its latest checkpoint, or
 the warm start: how far RL moved the trap-hop wording and what follows it.
 
   python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/grpo-seed3 \
-      --temperatures=0.8 --offline_fit=false --out=projects/mhqa/results/policy_probe/grpo-seed3.json
+      --temperatures=0.8 --offline_fit=false \
+      --out=projects/mhqa/results/policy_probe/grpo-seed3.json
 """
 
 import json
@@ -125,7 +126,8 @@ def main(argv):
                **prefix_signal(trees, assets.world))
     res["outcomes"] = failure_breakdown(trees, assets.world)
     res["by_hops"] = _by_hops(trees, assets.world)
-    if _FIT.value and temp == c.rollout.temperature:  # offline predictor fit on this temperature's rollouts
+    # offline predictor fit on this temperature's rollouts
+    if _FIT.value and temp == c.rollout.temperature:
       tx = make_optimizers(UpdateConfig(predictor_lr=c.rl.predictor_lr))[1]
 
       def offline_fit(train, held):

@@ -3,7 +3,8 @@
   python launch/compare.py --methods=grpo,trace_tree --seeds=1 --regimes=default \
     --budgets=rollouts --set=rl.steps=12 --set=eval.every=2 --runs=runs/repro_early \
     --out=runs/repro_early/_out
-  python projects/mhqa/repro_check.py --reference=projects/mhqa/results/compare_early --rerun=runs/repro_early/_out \
+  python projects/mhqa/repro_check.py --reference=projects/mhqa/results/compare_early \
+    --rerun=runs/repro_early/_out \
     --out=results/repro_early
 
 Both directories are `launch/compare.py` outputs (a `summary.json` and the archived runs under
@@ -125,13 +126,15 @@ def check(reference: str, rerun: str) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-  lines = ["| run | budget | steps | keys | verdict | largest differences | final EM (ref / rerun) |",
+  lines = ["| run | budget | steps | keys | verdict | largest differences | "
+           "final EM (ref / rerun) |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:
     worst = sorted({**r["differ"], **r["summary_differ"]}.items(), key=lambda kv: -kv[1])[:4]
     verdict = "identical" if r["identical"] else f"{len(r['differ'])} keys differ"
     lines.append(
-        f"| {r['run']} | {r['budget']} | {r['steps_compared']} | {r['keys_compared']} | {verdict} | "
+        f"| {r['run']} | {r['budget']} | {r['steps_compared']} | {r['keys_compared']} | "
+        f"{verdict} | "
         + (", ".join(f"{k} {d:.3g}" for k, d in worst) or "-")
         + f" | {r['reference'].get('accuracy_final')} / {r['rerun'].get('accuracy_final')} |")
   return "\n".join(lines) + "\n"

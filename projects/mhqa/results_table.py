@@ -164,7 +164,8 @@ def main(argv):
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   command = "python projects/mhqa/results_table.py " + shlex.join(sys.argv[1:])
   with open(_OUT.value + ".md", "w") as f:
-    f.write(f"Command:\n\n```sh\n{command}\n```\n\nMean ± sample std over seeds; vs {_REFERENCE.value}: the "
+    f.write(f"Command:\n\n```sh\n{command}\n```\n\n"
+            f"Mean ± sample std over seeds; vs {_REFERENCE.value}: the "
             "difference in mean held-out EM over the run (the evaluations after step 0), Welch's "
             "t over seeds, its degrees of freedom and two-sided p (each arm against the same "
             "reference: with many arms, one small p can be chance).\n\n" + md)
@@ -179,7 +180,8 @@ if __name__ == "__main__":
   # Defined only when run as a script, like trap_discovery.py: the tests import these modules
   # side by side, and absl's flag registry is global.
   _ARMS = flags.DEFINE_multi_string("arm", None, "DIR:METHOD:LABEL, once per arm")
-  _REFERENCE = flags.DEFINE_string("reference", "grpo", "the label the other arms are compared with")
+  _REFERENCE = flags.DEFINE_string("reference", "grpo",
+                                   "the label the other arms are compared with")
   _REGIME = flags.DEFINE_string("regime", "default", "regime of the runs to read")
   _BUDGET = flags.DEFINE_string("budget", "rollouts", "budget mode of the runs to read")
   _STEPS = flags.DEFINE_string("eval_steps", "8,10,12,16", "steps whose held-out EM is shown")

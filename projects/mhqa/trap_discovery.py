@@ -83,7 +83,8 @@ def collect(summaries: list[str], first_steps: int) -> list[dict]:
       if stats is None:
         continue
       rows.append(dict(summary=os.path.basename(os.path.normpath(d)), run=run["run"],
-                       method=run["method"], seed=run["seed"], em_half_gain_step=run.get("em_half_gain_step"),
+                       method=run["method"], seed=run["seed"],
+                       em_half_gain_step=run.get("em_half_gain_step"),
                        accuracy_final=run.get("accuracy_final"),
                        effective_ratio=run.get("effective_ratio"),
                        run_sampled_trap_share=run.get("sampled_trap_share"), **stats))

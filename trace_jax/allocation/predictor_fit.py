@@ -2,7 +2,8 @@
 
 The joint update (`rl/update.py`) takes one predictor step per RL step, which is far too few for
 the head to learn anything in a short run: measured on the warm-started tiny policy, 30 such steps
-left its allocation-time AUC at 0.52, while the same head fit for a few hundred steps on one batch of
+left its allocation-time AUC at 0.52, while the same head fit for a few hundred steps on one
+batch of
 rollouts reached 0.81 held out. So after each RL step the head also takes `steps` full-batch
 steps on a small replay buffer of recent (feature, V(y)) pairs. Features are the final hidden
 states the sampler recorded at each prefix end (what allocation reads), so no extra forward pass.

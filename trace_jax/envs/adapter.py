@@ -31,7 +31,8 @@ class TreeEnvAdapter:
 
   def _state_for(self, tree, node):
     if node.parent == 0:
-      return self.env.reset(tree.meta[self.golds_key], example_id=str(tree.meta.get("id", tree.uid)))
+      return self.env.reset(tree.meta[self.golds_key],
+                            example_id=str(tree.meta.get("id", tree.uid)))
     parent = self.states.get((tree.uid, node.parent))
     if parent is None:
       raise KeyError(f"no environment state for node {node.parent} of tree {tree.uid}; was it "

@@ -94,7 +94,8 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
 
 
 def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple: int = 8,
-               min_rows: int = 0, num_rows: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+               min_rows: int = 0,
+               num_rows: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
   """First-fit packing (longest first) into [R, row_len] rows; see trace_jax.rl.update's layout.
 
   Sequences longer than `row_len` are cut (their cut tokens untrained); counted in the info.

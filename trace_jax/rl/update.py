@@ -94,7 +94,7 @@ def make_optimizers(cfg: UpdateConfig):
   return policy, predictor
 
 
-# ---- master weights -------------------------------------------------------------------------------
+# ---- master weights ------------------------------------------------------------------------------
 def _cast_floats(tree, dtype):
   dtype = jnp.dtype(resolve_dtype(dtype))
 
@@ -106,7 +106,8 @@ def _cast_floats(tree, dtype):
 
 
 def to_master(params, master_dtype="float32"):
-  """Floating parameters of lower precision than `master_dtype` cast up to it (others as they are)."""
+  """Floating parameters of lower precision than `master_dtype` cast up to it
+  (others as they are)."""
   if master_dtype is None:
     return params
   m = jnp.dtype(resolve_dtype(master_dtype))
@@ -145,7 +146,7 @@ def init_train_state(params, pred_params, cfg: UpdateConfig) -> dict:
           "skipped": jnp.zeros((), jnp.int32), "skip_streak": jnp.zeros((), jnp.int32)}
 
 
-# ---- shardings -------------------------------------------------------------------------------------
+# ---- shardings -----------------------------------------------------------------------------------
 def _is_var(x):
   return isinstance(x, nnx.Variable)
 
@@ -153,7 +154,8 @@ def _is_var(x):
 def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
   """NamedSharding for every leaf of a train state (concrete or abstract): parameters, their
   masters and their optimizer moments by the logical axes the model gave them, everything without
-  logical axes (counts, step, scalars) replicated. Same structure as `state` (Variables replaced)."""
+  logical axes (counts, step, scalars) replicated. Same structure as `state`
+  (Variables replaced)."""
   def one(x):
     if _is_var(x):
       v = x.get_value() if hasattr(x, "get_value") else x.value
@@ -184,7 +186,7 @@ def _mesh_of(shardings):
   return None
 
 
-# ---- loss and gradients ----------------------------------------------------------------------------
+# ---- loss and gradients --------------------------------------------------------------------------
 def span_means(hidden, start, length):
   """f32[B, K, D]: the mean of `hidden[b, start[b, k] : start[b, k] + length[b, k]]` (0 for an
   empty span), by differences of one cumulative sum over the sequence (packed rows: a node's
@@ -255,7 +257,7 @@ def make_grad_fn(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | None =
   return grads
 
 
-# ---- the update step ---------------------------------------------------------------------------------
+# ---- the update step -----------------------------------------------------------------------------
 def _all_finite(tree):
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -315,7 +317,8 @@ def jit_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, state_shardings:
   """jax.jit of the update with the state donated.
 
   With `state_shardings` (from `state_shardings(state, mesh)`) the state goes in and comes out in
-  exactly those shardings; `batch_shardings` (from `batch_shardings(batch, mesh)`) fixes the batch's.
+  exactly those shardings; `batch_shardings` (from `batch_shardings(batch, mesh)`)
+  fixes the batch's.
   The mesh (for the micro-batch split) is taken from the shardings unless given.
   """
   mesh = mesh if mesh is not None else _mesh_of(state_shardings)
@@ -326,7 +329,7 @@ def jit_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, state_shardings:
                  out_shardings=(state_shardings, None))
 
 
-# ---- KL reference ------------------------------------------------------------------------------------
+# ---- KL reference --------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def _reference_fn(graphdef, micro_batches: int, mesh, rules, temperature: float):
   def f(ref_params, tokens, positions, segment_ids):

@@ -140,7 +140,7 @@ class Strategy:
     return trees, {}
 
 
-# ---- shared rules ---------------------------------------------------------------------------------
+# ---- shared rules --------------------------------------------------------------------------------
 def uniform_roots(num_prompts: int, budget: int):
   """GRPO's stage 1: the budget split evenly, the remainder to the first prompts. i32[P]."""
   if num_prompts <= 0:

@@ -71,7 +71,8 @@ def dense_attention(q, k, v, mask):
 
 class Attention(nnx.Module):
   def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
-    d, h, kv, hd, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+    d, h, kv, hd, pd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.param_dtype)
     self.cfg = cfg
     self.q_proj = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd)
     self.k_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
@@ -205,7 +206,7 @@ class Qwen3(nnx.Module):
       hs.append(x)
     return x, hs, auxs
 
-  # ---- contiguous forward with an optional KV cache -----------------------------------------------
+  # ---- contiguous forward with an optional KV cache ----------------------------------------------
   def forward(self, tokens, positions=None, cache=None, attn_mask=None, segment_ids=None,
               collect_hidden=False, compute_logits=True, remat: str = "none"):
     """tokens: i32[B, T] -> dict(logits f32[B,T,V], hidden [B,T,D], cache, hidden_states).
@@ -243,7 +244,8 @@ class Qwen3(nnx.Module):
     rel = kidx - lens[:, None, None]
     new_valid = jnp.take_along_axis(attn_mask, jnp.clip(rel[:, 0], 0, t - 1), axis=1)[:, None]
     mask = (kidx <= qidx) & ((kidx < lens[:, None, None]) | ((rel < t) & new_valid))
-    write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(buf, new, start, 0))
+    write = jax.vmap(lambda buf, new, start:
+                     jax.lax.dynamic_update_slice_in_dim(buf, new, start, 0))
     new_layers = []
 
     def attend(i, q, k, v):

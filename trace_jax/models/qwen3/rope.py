@@ -11,7 +11,8 @@ from trace_jax.models.qwen3.config import Qwen3Config
 
 
 def rope_frequencies(cfg: Qwen3Config) -> tuple[np.ndarray, float]:
-  """Returns (inv_freq: f32[head_dim // 2], attention_scaling) following HF's rope init functions."""
+  """Returns (inv_freq: f32[head_dim // 2], attention_scaling) following HF's rope init
+  functions."""
   dim, base = cfg.head_dim, cfg.rope_theta
   pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
   inv_freq = (1.0 / pos_freqs).astype(np.float32)
