@@ -137,7 +137,7 @@ def test_probe_a_trained_run(run, tmp_path):
   greedy on the test split as its trees (whose EM is the evaluation's) and sampled in groups on
   train prompts, with the outcome breakdown of every rollout."""
   out = tmp_path / "probe.json"
-  p = launch("probe_warm_start.py", f"--workdir={run['workdir']}", "--prompts=3",
+  p = launch("projects/mhqa/probe_warm_start.py", f"--workdir={run['workdir']}", "--prompts=3",
              "--temperatures=1.0", "--offline_fit=false", f"--out={out}")
   assert p.returncode == 0, p.stdout[-3000:]
   res = json.loads(out.read_text())

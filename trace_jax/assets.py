@@ -288,7 +288,7 @@ def load_examples(c, field: str) -> list:
   itself refuses empty, binary and directory paths)."""
   from trace_jax.data import load_qa
 
-  path = c.data[field]
+  path = getattr(c.data, field)
   if not path:
     raise ValueError(f"data.{field} is empty: set --config.data.{field}=/path/to/file")
   examples = load_qa(path, format=c.data.format or None)

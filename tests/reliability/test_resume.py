@@ -6,8 +6,9 @@
   metric records and bit-identical parameters and predictor.
 - SIGTERM on 8 simulated devices: the run checkpoints its step, exits 75, and the rerun resumes on
   the same multi-device host and finishes with each step recorded once.
-- lr=nan stops with exit 70 and no checkpoint of a bad state. (At smoke size every group is
-  unmixed, advantages are zero and no learning rate moves the policy, so exploding parameters,
+- lr=nan fails at the config's translation, before anything is built; a NaN loss on every update
+  (tests/faults.py) stops with exit 70 and no checkpoint of a bad state. (At smoke size every group
+  is unmixed, advantages are zero and no learning rate moves the policy, so exploding parameters,
   lr=1e30, are tested on `check_divergence` directly.)
 """
 
@@ -106,12 +107,19 @@ def test_sigterm_checkpoints_and_resumes_on_8_devices(run, tmp_path):
   assert summary["rollouts"] == run["summary3"]["rollouts"]
 
 
-@pytest.mark.slow
-def test_nan_lr_stops_with_exit_70(run, tmp_path):
+def test_nan_lr_fails_before_anything_is_built(run, tmp_path):
   work = str(tmp_path / "lr_nan")
-  # One skipped update is enough to stop (max_consecutive_skips=1): the same path, one step.
-  p = launch("train.py", *args_in(run, work, 3, "--config.rl.lr=nan",
-                                  "--config.rl.max_consecutive_skips=1"))
+  p = launch("train.py", *args_in(run, work, 3, "--config.rl.lr=nan"), timeout=120)
+  assert p.returncode == 1 and "rl.lr=nan must be a finite number" in p.stdout, p.stdout[-3000:]
+  assert not os.path.exists(work)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_exit_70(run, tmp_path):
+  work = str(tmp_path / "nan_loss")
+  # A NaN loss at step 1 (tests/faults.py) and max_consecutive_skips=1: one skipped update stops.
+  p = launch("tests/faults.py", *args_in(run, work, 3, "--nan_steps=1",
+                                         "--config.rl.max_consecutive_skips=1"))
   assert p.returncode == 70, p.stdout[-3000:]
   assert "training diverged at RL step" in p.stdout, p.stdout[-3000:]
   assert not os.path.exists(os.path.join(work, "summary.json"))
