@@ -106,8 +106,9 @@ class Strategy:
 
   @classmethod
   def has_stage2(cls) -> bool:
-    """Whether the method forks continuations from anchors (it overrides `prefix_counts`)."""
-    return cls.prefix_counts is not Strategy.prefix_counts
+    """Whether the method forks continuations from anchors (it overrides `prefix_counts` or
+    `spread`)."""
+    return (cls.prefix_counts is not Strategy.prefix_counts) or (cls.spread is not Strategy.spread)
 
   def prompts_per_step(self) -> int:
     """Prompts the loop draws for one step (the pool the root plan chooses from)."""
@@ -132,8 +133,17 @@ class Strategy:
 
   def prefix_counts(self, driver, trees, cands, use_predictor: bool):
     """i32[H] continuations per candidate, and f32[H] the success estimates the allocation read
-    (None when it read none). The default: none."""
-    return np.zeros(len(cands), np.int32), None
+    (None when it read none). The default: a rule that reads no estimate (`spread`) hands out the
+    continuations the stage-2 budget buys (`PrefixBudget.continuations`); none without a rule."""
+    zeros = np.zeros(len(cands), np.int32)
+    if not cands or self.cfg.prefix_budget <= 0 or not self.has_stage2():
+      return zeros, None
+    n_cont = prefix_budget(self.cfg, trees, cands).continuations
+    return self.spread(driver, trees, cands, n_cont), None
+
+  def spread(self, driver, trees, cands, n_cont: int) -> np.ndarray:
+    """A baseline's stage-2 rule: `n_cont` continuations over the candidates, i32[H]."""
+    raise NotImplementedError
 
   def keep(self, trees) -> tuple[list, dict[str, Any]]:
     """The trees to train on, and what the choice adds to the step's record."""

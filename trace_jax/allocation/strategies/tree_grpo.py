@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trace_jax.allocation.strategies.base import Strategy, prefix_budget, register, round_robin
+from trace_jax.allocation.strategies.base import Strategy, register, round_robin
 
 
 @register
@@ -17,11 +17,8 @@ class TreeGrpo(Strategy):
   def root_budget(self) -> int:
     return self.cfg.root_budget
 
-  def prefix_counts(self, driver, trees, cands, use_predictor):
-    if not cands or self.cfg.prefix_budget <= 0:
-      return np.zeros(len(cands), np.int32), None
-    n_cont = prefix_budget(self.cfg, trees, cands).continuations
-    return tree_grpo_counts(driver.rng, cands, n_cont, self.cfg.max_per_anchor), None
+  def spread(self, driver, trees, cands, n_cont):
+    return tree_grpo_counts(driver.rng, cands, n_cont, self.cfg.max_per_anchor)
 
 
 def tree_grpo_counts(rng, cands, n_cont: int, cap: int) -> np.ndarray:
