@@ -12,7 +12,9 @@ import json
 import math
 import os
 
+from trace_jax.allocation.allocators import ROOT_OBJECTIVES
 from trace_jax.config import TrainConfig
+from trace_jax.rl.advantages import VALUE_ESTIMATORS
 
 def to_train_config(c) -> TrainConfig:
   """The typed config of ConfigDict (or nested dict) `c`, every value checked (`validate`)."""
@@ -196,6 +198,16 @@ def validate(c: TrainConfig) -> None:
   _at_least(c, "rl.predictor_leaf_weight", 0)
   _at_least(c, "rl.max_consecutive_skips", 1)
   _choice(c, "rl.remat", ("none", "full", "dots"))
+  _choice(c, "rl.tree_values", VALUE_ESTIMATORS)
+  _at_least(c, "rl.ppo_epochs", 1)
+  _at_least(c, "rl.minibatches", 1)
+  _at_least(c, "rl.predictor_ensemble", 1)
+  if not 0.0 <= c.rl.predictor_holdout < 1.0:
+    raise ValueError(f"rl.predictor_holdout={c.rl.predictor_holdout} must be in [0, 1)")
+  _choice(c, "rollout.root_objective", ROOT_OBJECTIVES)
+  _positive(c, "rollout.root_concentration")
+  _at_least(c, "rollout.discovery_beta", 0)
+  _choice(c, "rollout.anchors", ("all", "before_tool_call"))
   _choice(c, "model.dtype", ("float32", "bfloat16", "float16"))
   _choice(c, "model.param_dtype", ("float32", "bfloat16", "float16"))
   for k in ("hidden_size", "num_layers", "intermediate_size", "predictor_hidden"):

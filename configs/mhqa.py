@@ -127,6 +127,14 @@ def _base():
   c.rollout.num_pages = 8192       # KV pages (trees keep theirs until released)
   c.rollout.prefill_chunk = 64
   c.rollout.tree_attention = True
+  # Stage 1's value of m rollouts on a prompt: paper = V_root(p̂, m) = 1 - p̂^m - (1 - p̂)^m;
+  # posterior = E[V_root] under p ~ Beta(κ p̂, κ (1 - p̂)); discovery = posterior + β x the expected
+  # information (nats) m rollouts give about p. κ: the head ensemble's when rl.predictor_ensemble
+  # > 1 (moment-matched), else root_concentration.
+  c.rollout.root_objective = "paper"
+  c.rollout.root_concentration = 8.0
+  c.rollout.discovery_beta = 0.5
+  c.rollout.anchors = "all"       # all | before_tool_call (stage-2 anchors only before a tool call)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 30
@@ -152,6 +160,12 @@ def _base():
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
   c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates
   #                                  in a row
+  c.rl.tree_values = "children"   # V at branch points: children (unbiased under forks) | leaves
+  c.rl.ppo_epochs = 1              # passes over the step's rollouts
+  c.rl.minibatches = 1             # optimizer steps per pass (rows split evenly)
+  c.rl.predictor_slice = False     # fit the head on the random slice's trees too
+  c.rl.predictor_holdout = 0.0     # share of prompts held out of the fit for early stopping
+  c.rl.predictor_ensemble = 1      # heads in the fit (bootstrap); > 1 gives p̂ an uncertainty
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()

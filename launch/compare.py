@@ -276,7 +276,12 @@ def run_row(row, summary, recs) -> dict:
              slice_n=slice_last.get("slice_n"), run=row["run"],
              warm_start_sha1=(summary.get("warm_start") or {}).get("params_sha1"))
   out.update(sampled_trap_share=mean_of(steps, "sampled_trap_share"),
-             reward_trap=mean_of(steps, "reward_trap"))
+             reward_trap=mean_of(steps, "reward_trap"),
+             stage1_predicted_mixed=mean_of(steps, "stage1_predicted_mixed"),
+             stage1_posterior_mixed=mean_of(steps, "stage1_posterior_mixed"),
+             clip_frac_last=mean_of(steps, "clip_frac_last"),
+             approx_kl_last=mean_of(steps, "approx_kl_last"),
+             optimizer_steps=mean_of(steps, "optimizer_steps"))
   evals = [r for r in recs if "eval_em" in r]
   out["em_half_gain_step"] = half_gain_step(evals)
   out["em_curve_mean"] = curve_mean(evals)
@@ -331,7 +336,8 @@ def curve_mean(evals) -> float | None:
 
 
 AGG_KEYS = ("accuracy_final", "effective_ratio", "mixed_groups", "generated_tokens", "rollouts",
-            "stage1_mixed", "slice_auc", "anchor_depth_mean", "accuracy_final_seen",
+            "prefill_tokens", "stage1_mixed", "stage1_predicted_mixed", "slice_auc", "slice_ece",
+            "anchor_depth_mean", "accuracy_final_seen",
             "accuracy_final_unseen", "sampled_trap_share", "reward_trap", "em_half_gain_step",
             "em_curve_mean")
 
@@ -413,9 +419,9 @@ def markdown(aggs) -> str:
   for regime, budget in sorted({(a["regime"], a["budget"]) for a in aggs}):
     lines += [f"### {regime}, equal {budget}", "",
               "| method | seeds | EM final | effective ratio | mixed groups / step | "
-              "1-ER vs grpo | EM - grpo | generated tokens | rollouts | stage-1 mixed | "
-              "slice AUC | anchor depth |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "1-ER vs grpo | EM - grpo | generated tokens | prefill tokens | rollouts | "
+              "stage-1 mixed | slice AUC | anchor depth |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted((a for a in aggs if (a["regime"], a["budget"]) == (regime, budget)),
                   key=lambda a: order.get(a["method"], 99))
     for a in rows:
@@ -423,12 +429,14 @@ def markdown(aggs) -> str:
       tok_s = "-" if tok is None else f"{tok['mean']:.0f} ± {tok['std']:.0f}"
       roll = a["rollouts"]
       roll_s = "-" if roll is None else f"{roll['mean']:.0f}"
+      pre = a.get("prefill_tokens")
+      pre_s = "-" if pre is None else f"{pre['mean']:.0f}"
       w = a.get("wasted_vs_grpo")
       lines.append(
           f"| {a['method']} | {a['seeds']} | {_fmt(a['accuracy_final'])} | "
           f"{_fmt(a['effective_ratio'])} | {_fmt(a.get('mixed_groups'), 1)} | "
           f"{'-' if w is None else f'{w:.2f}'} | "
-          f"{_fmt(a.get('accuracy_minus_grpo'))} | {tok_s} | {roll_s} | "
+          f"{_fmt(a.get('accuracy_minus_grpo'))} | {tok_s} | {pre_s} | {roll_s} | "
           f"{_fmt(a['stage1_mixed'])} | {_fmt(a['slice_auc'])} | "
           f"{_fmt(a['anchor_depth_mean'], 2)} |")
     lines.append("")

@@ -62,6 +62,30 @@ def _np_values(f):
   return np.where(count > 0, total / np.maximum(count, 1), 0.0), count
 
 
+def _np_child_values(f):
+  """The child-mean recursion: V(leaf) = r, V(y) = mean of V(c) over children c with leaves."""
+  parent, leaf, r, valid = f["parent"], f["is_leaf"], f["reward"], f["valid"]
+  _, count = _np_values(f)
+  v = np.zeros(_N)
+  for y in reversed(range(_N)):  # parents come before children: children are done first
+    if not valid[y] or count[y] == 0:
+      continue
+    if leaf[y]:
+      v[y] = r[y]
+      continue
+    kids = [c for c in np.flatnonzero(valid & (parent == y)) if count[c] > 0]
+    v[y] = np.mean(v[kids])
+  return v, count
+
+
+def _np_vals(f, values):
+  return _np_child_values(f) if values == "children" else _np_values(f)
+
+
+def _np_root_of(f, i):
+  return _ancestors(f["parent"], i)[-1]
+
+
 def _np_tree_stats(f):
   leaf = f["is_leaf"] & f["valid"]
   mean, std = np.zeros(_N), np.zeros(_N)
@@ -82,8 +106,8 @@ def _np_branch_point(f, i):
   return a
 
 
-def _np_contrastive(f, normalize=True):
-  v, n = _np_values(f)
+def _np_contrastive(f, normalize=True, values="children"):
+  v, n = _np_vals(f, values)
   _, std = _np_tree_stats(f)
   out = np.zeros(_N)
   for i in np.flatnonzero(f["valid"] & (f["parent"] >= 0) & (n > 0)):
@@ -98,11 +122,11 @@ def _call(fn, f, **kw):
 
 
 _jit = functools.partial(jax.jit, static_argnums=5)
-_contrastive = _jit(adv.tree_contrastive_advantages, static_argnames="normalize")
+_contrastive = _jit(adv.tree_contrastive_advantages, static_argnames=("normalize", "values"))
 _grpo = _jit(adv.grpo_advantages, static_argnames="normalize")
-_tree_grpo = _jit(adv.tree_grpo_advantages, static_argnames="normalize")
-_treerl = _jit(adv.treerl_advantages, static_argnames="sqrt_leaf_norm")
-_backup = jax.jit(adv.backup_values, static_argnums=4)
+_tree_grpo = _jit(adv.tree_grpo_advantages, static_argnames=("normalize", "values"))
+_treerl = _jit(adv.treerl_advantages, static_argnames=("sqrt_leaf_norm", "values"))
+_backup = jax.jit(adv.backup_values, static_argnums=(4, 5))
 
 
 @_SETTINGS
@@ -111,7 +135,7 @@ def test_backup_values_match_leaf_means_and_visit_weighted_backup(seed, fraction
   f = _forest(seed, fractional=fractional)
   adv.check_flat_tree(f["parent"], f["is_leaf"], f["valid"], f["tree"], _MAX_DEPTH)
   v, n = (np.asarray(x) for x in _backup(f["parent"], f["is_leaf"], f["reward"], f["valid"],
-                                         _MAX_DEPTH))
+                                         _MAX_DEPTH, "leaves"))
   v_ref, n_ref = _np_values(f)
   np.testing.assert_allclose(v, v_ref, atol=1e-6)
   np.testing.assert_array_equal(n, n_ref)
@@ -122,11 +146,60 @@ def test_backup_values_match_leaf_means_and_visit_weighted_backup(seed, fraction
 
 
 @_SETTINGS
-@given(seed=_seeds, fractional=st.booleans(), normalize=st.booleans())
-def test_contrastive_matches_reference(seed, fractional, normalize):
+@given(seed=_seeds, fractional=st.booleans())
+def test_child_mean_values_match_the_recursion(seed, fractional):
   f = _forest(seed, fractional=fractional)
-  got = _call(_contrastive, f, normalize=normalize)
-  ref = _np_contrastive(f, normalize)
+  v, n = (np.asarray(x) for x in _backup(f["parent"], f["is_leaf"], f["reward"], f["valid"],
+                                         _MAX_DEPTH, "children"))
+  v_ref, n_ref = _np_child_values(f)
+  np.testing.assert_allclose(v, v_ref, atol=1e-6)
+  np.testing.assert_array_equal(n, n_ref)
+  # Where every child of every node holds one leaf (no forks below a child), the two agree.
+  v_leaf, _ = _np_values(f)
+  for y in np.flatnonzero(f["valid"] & ~f["is_leaf"] & (n > 0)):
+    kids = np.flatnonzero(f["valid"] & (f["parent"] == y) & (n > 0))
+    if np.all(n[kids] == 1):
+      np.testing.assert_allclose(v[y], v_leaf[y], atol=1e-6)
+
+
+def test_child_mean_removes_the_stage2_fork_bias():
+  # The issue's example: 6 failed first rollouts (2 turns each); 4 continuations forked after the
+  # first turn of rollout 1, 2 of them successes.
+  parent, reward, is_leaf = [-1], [0.0], [False]
+  for _ in range(6):
+    turn = len(parent)
+    parent += [0, turn]
+    reward += [0.0, 0.0]
+    is_leaf += [False, True]
+  for r in (1.0, 1.0, 0.0, 0.0):
+    parent.append(1)
+    reward.append(r)
+    is_leaf.append(True)
+  parent, reward, is_leaf = np.array(parent), np.array(reward, np.float32), np.array(is_leaf)
+  n = len(parent)
+  tree, valid = np.zeros(n, np.int32), np.ones(n, bool)
+  v_leaf, _ = adv.backup_values(parent, is_leaf, reward, valid, 3, "leaves")
+  v_child, _ = adv.backup_values(parent, is_leaf, reward, valid, 3, "children")
+  assert abs(float(v_leaf[0]) - 0.2) < 1e-6
+  assert abs(float(v_child[0]) - 0.4 / 6) < 1e-6
+  assert abs(float(v_child[1]) - 0.4) < 1e-6
+  untouched = [3, 5, 7, 9, 11]  # the first turns of rollouts 2-6: nothing about them changed
+  a_leaf = np.asarray(adv.tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, 3,
+                                                      values="leaves"))
+  a_child = np.asarray(adv.tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, 3))
+  np.testing.assert_allclose(a_leaf[untouched], -0.2 / 0.4, atol=1e-4)  # sigma_tree = 0.4
+  np.testing.assert_allclose(a_child[untouched], -(0.4 / 6) / 0.4, atol=1e-4)
+  with pytest.raises(ValueError, match="value estimator"):
+    adv.backup_values(parent, is_leaf, reward, valid, 3, "visits")
+
+
+@_SETTINGS
+@given(seed=_seeds, fractional=st.booleans(), normalize=st.booleans(),
+       values=st.sampled_from(adv.VALUE_ESTIMATORS))
+def test_contrastive_matches_reference(seed, fractional, normalize, values):
+  f = _forest(seed, fractional=fractional)
+  got = _call(_contrastive, f, normalize=normalize, values=values)
+  ref = _np_contrastive(f, normalize, values)
   _, std = _np_tree_stats(f)
   ref = np.where(std > 1e-5, ref, 0.0)
   np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
@@ -155,26 +228,29 @@ def test_all_leaves_agree_gives_zero_advantages(seed):
 
 
 @_SETTINGS
-@given(seed=_seeds, fractional=st.booleans())
-def test_grpo_tree_grpo_treerl_match_reference(seed, fractional):
+@given(seed=_seeds, fractional=st.booleans(), values=st.sampled_from(adv.VALUE_ESTIMATORS))
+def test_grpo_tree_grpo_treerl_match_reference(seed, fractional, values):
   f = _forest(seed, fractional=fractional)
-  v, n = _np_values(f)
+  v_leaf, n = _np_values(f)
+  v, _ = _np_vals(f, values)
   mean, std = _np_tree_stats(f)
   trained = f["valid"] & (f["parent"] >= 0) & (n > 0)
   spread = std > 1e-5
-  grpo = np.where(trained & spread, (v - mean) / (std + _EPS), 0.0)
+  grpo = np.where(trained & spread, (v_leaf - mean) / (std + _EPS), 0.0)  # always leaf means
   np.testing.assert_allclose(_call(_grpo, f), grpo, rtol=1e-4, atol=1e-4)
   tree_grpo, treerl = np.zeros(_N), np.zeros(_N)
   for i in np.flatnonzero(trained):
     s = _ancestors(f["parent"], i)[-2]  # The first-turn node above i.
+    base = v[_np_root_of(f, i)]  # V(root): the leaf mean of the tree for values="leaves"
     leaves = [j for j in np.flatnonzero(f["is_leaf"]) if s in _ancestors(f["parent"], j)]
     std_s = np.std(f["reward"][leaves].astype(np.float64))
     intra = (v[i] - v[s]) / (std_s + _EPS) if std_s > 1e-5 else 0.0
-    tree_grpo[i] = grpo[i] + intra
+    inter = (v[i] - base) / (std[i] + _EPS) if spread[i] else 0.0
+    tree_grpo[i] = inter + intra
     if spread[i]:
-      treerl[i] = ((v[i] - mean[i]) + (v[i] - v[_np_branch_point(f, i)])) / np.sqrt(n[i])
-  np.testing.assert_allclose(_call(_tree_grpo, f), tree_grpo, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(_call(_treerl, f), treerl, rtol=1e-4, atol=1e-4)
+      treerl[i] = ((v[i] - base) + (v[i] - v[_np_branch_point(f, i)])) / np.sqrt(n[i])
+  np.testing.assert_allclose(_call(_tree_grpo, f, values=values), tree_grpo, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(_call(_treerl, f, values=values), treerl, rtol=1e-4, atol=1e-4)
 
 
 def test_contrastive_hand_example():
@@ -186,10 +262,13 @@ def test_contrastive_hand_example():
   valid = jnp.ones(6, bool)
   a = np.asarray(adv.tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, 3,
                                                  normalize=False))
-  v_root, v_a = 1 / 3, 1 / 2
+  v_root, v_a = (1 / 2 + 0) / 2, 1 / 2  # child means: V(a) = mean(V(b), V(e)), V(root) of a, c
   np.testing.assert_allclose(a, [0, v_a - v_root, 1 - v_a, -v_root, 1 - v_a, -v_a], atol=1e-6)
   # b has one child, so its leaf d contrasts with a (the branch point), like b itself.
   rl = np.asarray(adv.treerl_advantages(parent, is_leaf, reward, tree, valid, 3))
+  np.testing.assert_allclose(rl[1], ((v_a - v_root) + (v_a - v_root)) / np.sqrt(2), atol=1e-6)
+  v_root = 1 / 3  # the leaf mean
+  rl = np.asarray(adv.treerl_advantages(parent, is_leaf, reward, tree, valid, 3, values="leaves"))
   np.testing.assert_allclose(rl[1], ((v_a - v_root) + (v_a - v_root)) / np.sqrt(2), atol=1e-6)
 
 

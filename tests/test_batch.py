@@ -76,14 +76,17 @@ def forest(request):
 
 
 # ---- build_sequences -----------------------------------------------------------------------------
-def test_hand_tree_tree_contrastive_values():
+@pytest.mark.parametrize("values", ["children", "leaves"])
+def test_hand_tree_tree_contrastive_values(values):
   t = hand_tree()
-  seqs, flat, adv = build_sequences([t], "tree_contrastive", MAX_DEPTH)
+  seqs, flat, adv = build_sequences([t], "tree_contrastive", MAX_DEPTH, values=values)
   sigma = np.std([1.0, 0.0, 0.0])
-  v_root, v1 = 1 / 3, 0.5
+  # Child mean: V(root) = mean(V(n1), V(n5)) = 0.25; leaf mean: 1 success in 3 leaves.
+  v_root, v1 = (0.25 if values == "children" else 1 / 3), 0.5
   # Branch points: n1, n5 -> root; n2, n3 -> n1; n4 -> n1 (n3 has one child).
   want = np.array([0.0, v1 - v_root, 1 - v1, 0 - v1, 0 - v1, 0 - v_root]) / sigma
   np.testing.assert_allclose(adv, want, rtol=1e-4, atol=1e-5)
+  v_root = 1 / 3  # the host tree's value (`Tree.backup`) is the leaf mean
   np.testing.assert_allclose(flat["value"], [v_root, v1, 1.0, 0.0, 0.0, 0.0], atol=1e-6)
   assert len(seqs) == 3
   # The first sequence (leaf n2) trains n1 and n2; the second (n4) only n3 and n4.

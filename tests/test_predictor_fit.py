@@ -169,3 +169,69 @@ def test_fitter_has_its_own_optimizer_state():
   fresh = PredictorFitter(g, tx)
   with pytest.raises(ValueError, match="init"):
     fresh.state_dict()
+
+
+def _noisy_trees(rs, n, start=0):
+  """Trees with distinct prompts: root feature f, two leaves with success prob sigmoid(3 f[0])."""
+  trees = []
+  for i in range(n):
+    f = rs.randn(8).astype(np.float32)
+    t = Tree([start + i, 7])
+    t.root.feature = f
+    for _ in range(2):
+      t.add_node(0, done=True, reward=float(rs.rand() < 1 / (1 + np.exp(-3 * f[0]))))
+    trees.append(t)
+  return trees
+
+
+def test_holdout_keeps_the_best_held_out_step_and_the_same_prompts_out():
+  from trace_jax.allocation.predictor_fit import held_out
+  from trace_jax.rl.losses import predictor_bce
+
+  rs = np.random.RandomState(1)
+  head = PredictorHead(8, 64, rngs=nnx.Rngs(0))
+  g, s0 = nnx.split(head)
+  tx = make_optimizers(UpdateConfig(predictor_lr=3e-2))[1]
+  fitter = PredictorFitter(g, tx, steps=300, buffer_steps=1, bucket=64, holdout=0.3,
+                           pred_state=s0)
+  trees = _noisy_trees(rs, 60)
+  fitter.add(trees)
+  s, info = fitter.fit(s0)
+  held = [t for t in trees if held_out(t.prompt_ids, 0.3)]
+  assert info["predictor_fit_holdout_rows"] == len(held) and 0 < len(held) < len(trees)
+  assert info["predictor_fit_rows"] == len(trees) - len(held)
+  # 60 noisy prompts and 300 steps at a high rate overfit: the held-out loss turns up before the
+  # end, and the fit returns the best step's parameters, whose held-out loss is the one reported.
+  assert 0 < info["predictor_fit_best_step"] < 300
+  assert info["predictor_fit_holdout_bce_best"] < info["predictor_fit_holdout_bce_start"]
+  hx = np.stack([t.root.feature for t in held])
+  hy = np.asarray([t.root.value for t in held], np.float32)
+  got = float(predictor_bce(nnx.merge(g, s)(hx), hy, np.full(len(held), 2.0, np.float32)))
+  assert abs(got - info["predictor_fit_holdout_bce_best"]) < 1e-4
+  assert held_out(trees[0].prompt_ids, 0.3) == held_out(list(trees[0].prompt_ids), 0.3)
+  assert not held_out(trees[0].prompt_ids, 0.0)
+
+
+def test_ensemble_members_disagree_where_data_is_thin_and_round_trip():
+  rs = np.random.RandomState(2)
+  head = PredictorHead(8, 32, rngs=nnx.Rngs(0))
+  g, s0 = nnx.split(head)
+  tx = make_optimizers(UpdateConfig(predictor_lr=1e-2))[1]
+  fitter = PredictorFitter(g, tx, steps=150, buffer_steps=1, bucket=64, ensemble=4,
+                           pred_state=s0)
+  fitter.add(_noisy_trees(rs, 80))
+  s, info = fitter.fit(s0)
+  assert info["predictor_fit_members"] == 4
+  near = rs.randn(50, 8).astype(np.float32)  # like the training features
+  far = near * 6.0  # far outside them: the heads extrapolate apart
+  mean, var = fitter.spread(s, np.concatenate([near, far]))
+  assert mean.shape == (100,) and ((mean >= 0) & (mean <= 1)).all()
+  assert (var >= 0).all() and var[:50].mean() > 0 and var[50:].mean() > var[:50].mean()
+  d = fitter.state_dict()
+  other = PredictorFitter(g, tx, ensemble=4, pred_state=s0)
+  other.load_state_dict(d)
+  np.testing.assert_allclose(other.spread(s, near)[1], fitter.spread(s, near)[1], rtol=1e-6)
+  single = PredictorFitter(g, tx, pred_state=s0)
+  m1, v1 = single.spread(s, near)
+  np.testing.assert_allclose(m1, np.asarray(nnx.merge(g, s).prob(near)), rtol=1e-5, atol=1e-6)
+  assert not v1.any()

@@ -114,6 +114,10 @@ class RolloutSection:
   num_pages: int
   prefill_chunk: int
   tree_attention: bool
+  root_objective: str
+  root_concentration: float
+  discovery_beta: float
+  anchors: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +145,12 @@ class RLSection:
   predictor_warm_steps: int
   max_consecutive_skips: int
   max_param_growth: float
+  tree_values: str
+  ppo_epochs: int
+  minibatches: int
+  predictor_slice: bool
+  predictor_holdout: float
+  predictor_ensemble: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,10 +268,15 @@ def update_config(c: TrainConfig, **overrides):
 
 def driver_config(c: TrainConfig):
   """The rollout driver's settings (`DriverConfig`) of run config `c`: its method and rollout
-  section."""
+  section, and whether the random slice counts in the ledger (when it steers: rollout.calibrate
+  = platt or rl.predictor_slice)."""
   from trace_jax.allocation.driver import DriverConfig
 
-  return DriverConfig.from_rollout(c.method, c.rollout)
+  d = DriverConfig.from_rollout(c.method, c.rollout)
+  # The slice steers the run when stage 1 is calibrated on it or the head is fit on its trees;
+  # then its rollouts are part of the method's cost.
+  steers = c.rollout.calibrate == "platt" or c.rl.predictor_slice
+  return dataclasses.replace(d, count_slice=steers)
 
 
 

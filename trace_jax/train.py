@@ -281,7 +281,8 @@ def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
                            root_features=functools.partial(engine.prompt_features,
                                                            count_prefill=False)
                            if c.rl.predictor_refresh_roots else None,
-                           leaf_weight=c.rl.predictor_leaf_weight, pred_state=pred_params)
+                           leaf_weight=c.rl.predictor_leaf_weight, pred_state=pred_params,
+                           holdout=c.rl.predictor_holdout, ensemble=c.rl.predictor_ensemble)
   shardings = None
   if mesh.size > 1:
     shardings = state_shardings(jax.eval_shape(
@@ -471,6 +472,9 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
   run.fitter.rng = np.random.default_rng([c.seed, state.step, 2])
   run.engine.update_params(_policy(run, state))
   run.driver.predict = functools.partial(run.predict, _host(state.train["pred_params"]))
+  if c.rl.predictor_ensemble > 1:
+    run.driver.predict_spread = functools.partial(run.fitter.spread,
+                                                  _host(state.train["pred_params"]))
   examples = step_examples(run, state.step)
   sample = run.driver.sample(examples, use_predictor=use_pred)
   tm = tree_metrics(sample.all_trees)
@@ -497,26 +501,25 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
     totals[key] = totals.get(key, 0) + sample.info.get(f"ledger_{k}", 0)
   seqs, _, _ = build_sequences(sample.trees, strategies.advantage_for(c.method, c.rl.advantage),
                                c.env.max_turns + 2, c.rl.normalize_std,
-                               pred_leaf_weight=c.rl.predictor_leaf_weight)
-  train_state, fit_info = _fit_predictor(run, state.train, sample.all_trees)
+                               pred_leaf_weight=c.rl.predictor_leaf_weight,
+                               values=c.rl.tree_values)
+  # Only a method whose allocation reads p̂ pays for the extra fit (GRPO and the other uniform
+  # methods train the head in the joint update alone, which costs them nothing extra).
+  fit_info, train_state = {}, state.train
+  if run.driver.strategy.reads_predictor:
+    fit_trees = sample.all_trees + (sample.slice_trees if c.rl.predictor_slice else [])
+    train_state, fit_info = _fit_predictor(run, state.train, fit_trees)
   run.engine.release(sample.all_trees)
   rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
              rollouts_total=totals["rollouts"])
   if seqs:
     batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
                               num_rows=update_rows(c, run.mesh))
-    if run.mesh.size > 1:
-      batch = shard_batch(batch, run.mesh)
-    if run.ref_params is not None:
-      batch["ref_logp"] = reference_logprobs(
-          run.graphdef, run.ref_params, batch, c.rl.micro_batches,
-          run.mesh if run.mesh.size > 1 else None, temperature=c.rollout.temperature)
     if run.hooks.batch is not None:
       batch = run.hooks.batch(state.step, batch)
     t1 = time.time()
-    train_state, m = run_global(run.update, train_state, batch)
-    m = jax.device_get(_host(m))
-    rec.update({k: float(v) for k, v in m.items()}, update_seconds=time.time() - t1,
+    train_state, m = _ppo_updates(run, train_state, batch, state.step)
+    rec.update(m, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
   else:
     rec["empty_batch"] = 1.0
@@ -530,6 +533,51 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
                               predictions=predictions[-20000:], er_hist=er_hist)
   run.writer.write(state.step, rec)
   return state, rec
+
+
+def minibatch_order(rows: int, minibatches: int, epochs: int, seed: int, step: int):
+  """The row indices of every optimizer step of one RL step: `epochs` passes over the packed
+  rows, each split into `minibatches` equal groups; rows are shuffled per pass (from (seed, step),
+  so a resumed step repeats its order) when there is more than one group. A list of i64 arrays."""
+  size = rows // minibatches
+  rng = np.random.default_rng([seed, step, 7])
+  out = []
+  for _ in range(epochs):
+    order = rng.permutation(rows) if minibatches > 1 else np.arange(rows)
+    out += [np.sort(order[i * size:(i + 1) * size]) for i in range(minibatches)]
+  return out
+
+
+def _ppo_updates(run: Run, train_state, batch: dict, step: int):
+  """`rl.ppo_epochs` x `rl.minibatches` optimizer steps on the packed batch (PPO's reuse of one
+  step's rollouts; 1 x 1 is one step on everything). Every update sees the sampler's log-probs as
+  the old policy, so from the second update on the ratio moves and the clip acts. Returns the new
+  state and the step's record: each update metric's mean over the updates, the first and last
+  update's clip fraction and approximate KL, and `optimizer_steps`."""
+  c = run.c
+  rows = len(batch["tokens"])
+  sharded = run.mesh.size > 1
+  groups = minibatch_order(rows, c.rl.minibatches, c.rl.ppo_epochs, c.seed, step)
+  records = []
+  for idx in groups:
+    mb = {k: v[idx] for k, v in batch.items()} if len(groups) > 1 else batch
+    if sharded:
+      mb = shard_batch(mb, run.mesh)
+    if run.ref_params is not None:
+      mb["ref_logp"] = reference_logprobs(
+          run.graphdef, run.ref_params, mb, c.rl.micro_batches,
+          run.mesh if sharded else None, temperature=c.rollout.temperature)
+    train_state, m = run_global(run.update, train_state, mb)
+    records.append({k: float(v) for k, v in jax.device_get(_host(m)).items()})
+  out = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+  for k in ("skipped", "finite"):  # a step counts as skipped if any of its updates was
+    out[k] = (max if k == "skipped" else min)(r[k] for r in records)
+  out["skip_streak"] = records[-1]["skip_streak"]
+  out["param_norm"] = records[-1]["param_norm"]
+  for k in ("clip_frac", "approx_kl"):
+    out[f"{k}_first"], out[f"{k}_last"] = records[0][k], records[-1][k]
+  out["optimizer_steps"] = float(len(records))
+  return train_state, out
 
 
 def largest_tree(c: TrainConfig) -> int:
@@ -549,8 +597,9 @@ def largest_tree(c: TrainConfig) -> int:
 
 def update_rows(c: TrainConfig, mesh) -> int:
   """Packed rows per update: `rl.train_rows` rounded up to a multiple of `rl.micro_batches` x the
-  row shards of the mesh (data x fsdp), so every micro-batch splits evenly over the shards."""
-  return padded_rows(c.rl.train_rows, c.rl.micro_batches,
+  row shards of the mesh (data x fsdp) x `rl.minibatches`, so every minibatch's micro-batches
+  split evenly over the shards."""
+  return padded_rows(c.rl.train_rows, c.rl.micro_batches * c.rl.minibatches,
                      row_shards(mesh if mesh.size > 1 else None))
 
 

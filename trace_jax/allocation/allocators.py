@@ -42,6 +42,124 @@ def root_value(p, m):
   return jnp.where(m >= 1, 1.0 - p**mf - (1.0 - p) ** mf, 0.0)
 
 
+ROOT_OBJECTIVES = ("paper", "posterior", "discovery")
+
+
+def _log_rising(x, n, max_n: int):
+  """log of the rising factorial x (x + 1) ... (x + n - 1) for integer 0 <= n <= max_n (static):
+  a sum of logs, exact where log-gamma differences of large x lose every digit in f32."""
+  i = jnp.arange(max_n, dtype=jnp.float32)
+  x, n = jnp.asarray(x, jnp.float32)[..., None], jnp.asarray(n, jnp.float32)[..., None]
+  return jnp.sum(jnp.where(i < n, jnp.log(x + i), 0.0), axis=-1)
+
+
+def _log_beta_moment(a, b, k, j, max_n: int):
+  """log E[p^k (1 - p)^j] for p ~ Beta(a, b) and integers k + j <= max_n (static), i.e.
+  log B(a + k, b + j) - log B(a, b) = log (a)_k + log (b)_j - log (a + b)_(k + j)."""
+  return (_log_rising(a, k, max_n) + _log_rising(b, j, max_n)
+          - _log_rising(a + b, jnp.asarray(k) + jnp.asarray(j), max_n))
+
+
+def beta_params(p, concentration):
+  """(a, b) of the Beta with mean p and concentration κ = a + b. Two f32 arrays, broadcast."""
+  p = jnp.clip(jnp.asarray(p, jnp.float32), 1e-6, 1 - 1e-6)
+  k = jnp.asarray(concentration, jnp.float32)
+  return k * p, k * (1.0 - p)
+
+
+def concentration_from_spread(mean, var, lo: float = 2.0, hi: float = 1e4):
+  """κ of the Beta whose mean and variance match (mean, var): κ = mean (1 - mean) / var - 1,
+  clipped to [lo, hi] (a spread wider than a Beta can have gives lo; no spread gives hi)."""
+  mean = jnp.clip(jnp.asarray(mean, jnp.float32), 1e-6, 1 - 1e-6)
+  var = jnp.maximum(jnp.asarray(var, jnp.float32), 1e-12)
+  return jnp.clip(mean * (1.0 - mean) / var - 1.0, lo, hi)
+
+
+def root_value_posterior(a, b, m, max_m: int):
+  """E[V_root(p, m)] for p ~ Beta(a, b): the chance m rollouts are mixed, averaged over what the
+  head does not know about p.
+
+    E[1 - p^m - (1 - p)^m] = 1 - B(a + m, b) / B(a, b) - B(a, b + m) / B(a, b),
+
+  computed as sums of logs (m <= max_m, static). As a + b -> infinity with a / (a + b) = p̂ it
+  tends to the paper's V_root(p̂, m). At finite concentration it is never larger (p^m and
+  (1 - p)^m are convex, so Jensen's inequality lowers it): the uncertain head expects fewer mixed
+  groups than its point estimate promises, most of all where the Beta puts mass near 0 or 1.
+  0 for m = 0. f32, broadcast over (a, b, m).
+
+  Example:
+    >>> a, b = beta_params(0.9, jnp.array([4.0, 1e6]))
+    >>> print(np.asarray(root_value_posterior(a, b, 4, max_m=4)).round(3))  # V_root(0.9, 4): 0.344
+    [0.266 0.344]
+  """
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  mf = jnp.asarray(m).astype(jnp.float32)
+  v = (1.0 - jnp.exp(_log_beta_moment(a, b, mf, 0.0, max_m))
+       - jnp.exp(_log_beta_moment(a, b, 0.0, mf, max_m)))
+  return jnp.where(mf >= 1, v, 0.0)
+
+
+def information_gain(a, b, m, max_m: int):
+  """Expected information (nats) that m rollouts' outcomes k give about p ~ Beta(a, b): the
+  mutual information I(p; k) = H(k) - E_p[H(k | p)], k ~ BetaBinomial(m, a, b). In closed form,
+  with w_k = B(a + k, b + m - k) / B(a, b) and P(k) = C(m, k) w_k:
+
+    I = sum_k P(k) [-log w_k + k ψ(a + k) + (m - k) ψ(b + m - k) - m ψ(a + b + m)],
+
+  (E_p[p^k (1-p)^(m-k) log p] = w_k (ψ(a + k) - ψ(a + b + m)) gives the conditional entropy). It
+  is 0 for m = 0, grows with m with shrinking increments (conditionally independent draws), and
+  tends to 0 as the Beta concentrates (nothing left to learn). `max_m` (static) bounds m.
+
+  Example:
+    >>> a, b = beta_params(0.5, jnp.array([2.0, 1e6]))
+    >>> print(np.asarray(information_gain(a, b, 4, max_m=4)).round(3))
+    [0.522 0.   ]
+  """
+  a, b = jnp.asarray(a, jnp.float32)[..., None], jnp.asarray(b, jnp.float32)[..., None]
+  mf = jnp.asarray(m).astype(jnp.float32)[..., None]
+  k = jnp.arange(max_m + 1, dtype=jnp.float32)
+  on = k <= mf
+  j = jnp.where(on, mf - k, 0.0)
+  kk = jnp.where(on, k, 0.0)
+  log_w = _log_beta_moment(a, b, kk, j, max_m)
+  lg = jax.scipy.special.gammaln
+  log_c = lg(mf + 1.0) - lg(kk + 1.0) - lg(j + 1.0)
+  prob = jnp.where(on, jnp.exp(log_c + log_w), 0.0)
+  dg = jax.scipy.special.digamma
+  top = dg(a + b + mf)
+  term = -log_w + kk * (dg(a + kk) - top) + j * (dg(b + j) - top)
+  return jnp.maximum(jnp.sum(jnp.where(on, prob * term, 0.0), axis=-1), 0.0)
+
+
+def root_value_table(p_hat, counts, objective: str = "paper", concentration=8.0,
+                     beta: float = 0.5):
+  """Stage 1's value of giving each prompt each count: f32[P, K] for the static `counts` (K).
+
+    paper:     V_root(p̂, m) = 1 - p̂^m - (1 - p̂)^m.
+    posterior: E[V_root(p, m)] under p ~ Beta(κ p̂, κ (1 - p̂)) (`root_value_posterior`).
+    discovery: posterior + β I(p; k_m) (`information_gain`): rollouts are also worth what they
+               teach about a prompt whose p is unknown, which is how a prompt kind the policy has
+               not solved yet (p̂ low but uncertain) gets rollouts that can find its first success.
+
+  κ (`concentration`, scalar or f32[P]) is the head's certainty in pseudo-rollouts; both
+  objectives reduce to "paper" as κ -> infinity. Any table of this shape can go to the allocators
+  (`allocate_roots(values=...)`, `allocate_roots_subset(values=...)`).
+  """
+  if objective not in ROOT_OBJECTIVES:
+    raise ValueError(f"unknown root objective {objective!r}; choose one of {ROOT_OBJECTIVES}")
+  p = jnp.clip(jnp.asarray(p_hat, jnp.float32), 0.0, 1.0)[:, None]
+  m = jnp.asarray(counts, jnp.int32)[None, :]
+  if objective == "paper":
+    return root_value(p, m)
+  kappa = jnp.broadcast_to(jnp.asarray(concentration, jnp.float32), p.shape[:1])[:, None]
+  a, b = beta_params(p, kappa)
+  max_m = int(max(np.max(np.asarray(counts)), 0))
+  v = root_value_posterior(a, b, m, max_m)
+  if objective == "discovery":
+    v = v + beta * information_gain(a, b, m, max_m)
+  return v
+
+
 def _root_gain(p, m):
   """V_root(p, m + 1) - V_root(p, m), computed directly to avoid cancellation. f32[P]."""
   mf = m.astype(jnp.float32)
@@ -50,7 +168,8 @@ def _root_gain(p, m):
   return jnp.where(m >= 1, gain, 0.0)
 
 
-def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: int | None = None):
+def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: int | None = None,
+                   values=None):
   """Stage 1: rollouts per prompt maximizing sum_i V_root(p_hat_i, m_i).
 
   Constraints: sum_i m_i = budget and min_per_prompt <= m_i <= max_per_prompt. For m >= 1 the
@@ -65,6 +184,9 @@ def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: 
     budget: static int, total rollouts M_root.
     min_per_prompt: static int >= 1.
     max_per_prompt: static int or None (no cap).
+    values: optional f32[P, cap + 1], the value of m = 0..cap rollouts per prompt
+      (`root_value_table`), replacing V_root(p_hat, m); it must be concave in m from
+      min_per_prompt on for the greedy to stay exact (the posterior and discovery tables are).
 
   Returns:
     i32[P] rollout counts m.
@@ -100,16 +222,28 @@ def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: 
 
   p = jnp.clip(p_hat, 0.0, 1.0)
   m0 = jnp.full((num_prompts,), min_per_prompt, jnp.int32)
+  if values is not None:
+    values = jnp.asarray(values, jnp.float32)
+    if values.shape != (num_prompts, cap + 1):
+      raise ValueError(f"values must be f32[{num_prompts}, {cap + 1}] (m = 0..max_per_prompt), "
+                       f"got {values.shape}")
+  rows = jnp.arange(num_prompts)
+
+  def gain_of(m):
+    if values is None:
+      return _root_gain(p, m)
+    nxt = jnp.minimum(m + 1, cap)
+    return values[rows, nxt] - values[rows, m]
 
   def pick(_, m):
-    gain = jnp.where(m < cap, _root_gain(p, m), -jnp.inf)
+    gain = jnp.where(m < cap, gain_of(m), -jnp.inf)
     return m.at[jnp.argmax(gain)].add(1)
 
   return jax.lax.fori_loop(0, budget - num_prompts * min_per_prompt, pick, m0)
 
 
 def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt: int = 2,
-                          max_per_prompt: int | None = None):
+                          max_per_prompt: int | None = None, values=None):
   """Stage 1 over a candidate pool: which prompts get rollouts, and how many.
 
   Maximizes sum_i V_root(p_hat_i, m_i) subject to sum_i m_i = budget, exactly `num_selected`
@@ -125,6 +259,9 @@ def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt:
     num_selected: static int, prompts that receive rollouts (<= P).
     min_per_prompt: static int >= 1, rollouts of a selected prompt at least.
     max_per_prompt: static int or None (budget).
+    values: optional f32[P, max - min + 1], the value of giving prompt i each count
+      min_per_prompt..max_per_prompt (`root_value_table`), replacing V_root(p_hat, m). The program
+      is exact for any table.
 
   Returns:
     i32[P] rollout counts (0 for prompts not selected). Ties prefer leaving a prompt out, then
@@ -151,7 +288,12 @@ def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt:
   if not n_sel * lo <= budget <= n_sel * hi:
     raise ValueError(f"budget {budget} outside [{n_sel} * {lo}, {n_sel} * {hi}]: no allocation")
   counts = list(range(lo, hi + 1))
-  values = root_value(jnp.clip(p_hat, 0.0, 1.0)[:, None], jnp.asarray(counts)[None, :])  # [P, K]
+  if values is None:
+    values = root_value(jnp.clip(p_hat, 0.0, 1.0)[:, None], jnp.asarray(counts)[None, :])
+  values = jnp.asarray(values, jnp.float32)  # [P, K]
+  if values.shape != (num_prompts, len(counts)):
+    raise ValueError(f"values must be f32[{num_prompts}, {len(counts)}] (counts {lo}..{hi}), "
+                     f"got {values.shape}")
   neg = jnp.float32(-jnp.inf)
   best0 = jnp.full((n_sel + 1, budget + 1), neg).at[0, 0].set(0.0)
 
@@ -190,7 +332,7 @@ def prefix_objective(p_hat, outcomes, counts, valid):
   return jnp.sum(jnp.where(valid, v, 0.0))
 
 
-def tree_aware_objective(p_hat, outcomes, counts, tree, tree_mixed, valid, lam=0.1):
+def tree_aware_objective(p_hat, outcomes, counts, tree, tree_mixed, valid, lam=0.01):
   """Tree-aware stage-2 objective.
 
   sum over unmixed trees t of (1 - prod_{h in t} q_h^{k_h})  +  lam * sum over anchors h of mixed
@@ -303,7 +445,7 @@ def allocate_prefixes(p_hat, outcomes, costs, budget, valid, max_per_anchor: int
 
 
 def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budget, valid,
-                                 max_per_anchor: int, lam: float = 0.1, *,
+                                 max_per_anchor: int, lam: float = 0.01, *,
                                  budget_unit: str = "rollouts", cost_aware: bool = True):
   """Stage 2, tree-aware objective (see `tree_aware_objective`): continuations per anchor.
 
@@ -325,7 +467,12 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
       `allocate_prefixes`.
     tree: i32[H] tree index of each anchor, in [0, T).
     tree_mixed: bool[T] whether each tree's finished leaves already hold both outcomes.
-    lam: weight of the per-anchor gain in already mixed trees.
+    lam: weight of the per-anchor gain in already mixed trees (default 0.01, the run config's
+      too). The tree term is the chance that an unmixed tree becomes mixed; a mixed tree has
+      already earned it, so the per-anchor term there is a secondary goal (turn-level contrast
+      inside a tree that already has contrast) and must not outrank an unmixed tree's gain,
+      which for trees worth forking is rarely below a few hundredths: at 0.01 it orders anchors
+      in mixed trees among themselves and takes the budget only when no unmixed tree can use it.
 
   Returns:
     i32[H] continuation counts.
@@ -335,6 +482,9 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
     >>> tree, tree_mixed = jnp.array([0, 0, 1]), jnp.array([False, True])  # tree 1 already mixed
     >>> allocate_prefixes_tree_aware(p_hat, outcomes, jnp.ones(3), tree, tree_mixed, 4,
     ...                              jnp.ones(3, bool), max_per_anchor=4).tolist()
+    [0, 4, 0]
+    >>> allocate_prefixes_tree_aware(p_hat, outcomes, jnp.ones(3), tree, tree_mixed, 4,
+    ...                              jnp.ones(3, bool), max_per_anchor=4, lam=0.1).tolist()
     [0, 3, 1]
   """
   q = repeat_prob(p_hat, outcomes)

@@ -49,13 +49,21 @@ class DriverConfig:
   calibrate: str = "none"         # none | platt: stage 1 uses p̂ recalibrated on the random slice's
   calibrate_window: int = 8       # outcomes of the last this many steps (needs metric_slice > 0),
   calibrate_prior: float = 10.0   # with the identity map worth this many pairs
+  root_objective: str = "paper"   # paper | posterior | discovery (`allocators.root_value_table`)
+  root_concentration: float = 8.0  # κ of p ~ Beta(κ p̂, κ (1 - p̂)) without a head ensemble
+  discovery_beta: float = 0.5     # discovery: weight of the information gain (nats)
+  anchors: str = "all"            # predicted stage 2: all | before_tool_call
+  count_slice: bool = False       # the random slice's cost enters the ledger (it steers the run:
+  #                                 Platt calibration, or the head fit on its trees)
 
   @classmethod
   def from_rollout(cls, method: str, rollout) -> "DriverConfig":
     """The driver's fields taken by name from a run config's rollout section
     (`trace_jax.config.RolloutSection`)."""
-    return cls(method=method, **{f.name: getattr(rollout, f.name)
-                                 for f in dataclasses.fields(cls) if f.name != "method"})
+    kw = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)
+          if f.name != "method" and hasattr(rollout, f.name)}
+    kw.setdefault("count_slice", getattr(rollout, "calibrate", "none") == "platt")
+    return cls(method=method, **kw)
 
 
 @dataclasses.dataclass
@@ -65,6 +73,7 @@ class StepSample:
   predictions: list      # (stage, p_hat, outcome) for every rollout allocated by prediction
   info: dict
   slice_predictions: list = dataclasses.field(default_factory=list)  # ("slice", p_hat, outcome)
+  slice_trees: list = dataclasses.field(default_factory=list)  # the slice's trees (released)
 
 
 class RolloutDriver:
@@ -72,7 +81,9 @@ class RolloutDriver:
   question... The method is `cfg.method`, a name in the strategy registry.
 
   `rng` (numpy Generator) and `predict` (features f32[N, D] -> p̂ f32[N]) may be replaced between
-  steps (the training loop reseeds the one and sets the other from the current head)."""
+  steps (the training loop reseeds the one and sets the other from the current head).
+  `predict_spread` (features -> (mean f32[N], variance f32[N]) over an ensemble of heads), when
+  set, gives stage 1's Beta its concentration (`concentration`)."""
 
   def __init__(self, engine: SamplerEngine, cfg: DriverConfig,
                predict: Callable[[np.ndarray], np.ndarray] | None,
@@ -81,6 +92,7 @@ class RolloutDriver:
     self.engine, self.cfg, self.predict = engine, cfg, predict
     self.prompt_features = prompt_features
     self.rng = np.random.default_rng(seed)
+    self.predict_spread: Callable[[np.ndarray], tuple] | None = None
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
 
   def state_dict(self) -> dict:
@@ -92,6 +104,15 @@ class RolloutDriver:
   def load_state_dict(self, d: dict) -> None:
     self._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
                           for step in d.get("slice_log", [])]
+
+  def concentration(self, features) -> np.ndarray:
+    """κ per prompt of stage 1's Beta(κ p̂, κ (1 - p̂)): moment-matched to the head ensemble's
+    spread when `predict_spread` is set, else `root_concentration` for every prompt. f32[N]."""
+    n = len(features)
+    if self.predict_spread is None:
+      return np.full(n, self.cfg.root_concentration, np.float32)
+    mean, var = self.predict_spread(features)
+    return np.asarray(allocators.concentration_from_spread(mean, var), np.float32)
 
   # ---- the strategy's decisions (also callable one by one, e.g. from a notebook) -----------------
   def root_plan(self, examples: list[dict], use_predictor: bool = True) -> strategies.RootPlan:
@@ -170,13 +191,15 @@ class RolloutDriver:
     ledger = {k: v - ledger_before.get(k, 0) for k, v in self.engine.ledger.as_dict().items()}
     if slice_trees:
       cost = _trees_cost(slice_trees)
-      for k, v in cost.items():
-        ledger[k] -= v
-      slice_info.update({f"slice_{k}": v for k, v in cost.items()})
+      if not self.cfg.count_slice:  # a pure measurement: outside the method's budget
+        for k, v in cost.items():
+          ledger[k] -= v
+      slice_info.update({f"slice_{k}": v for k, v in cost.items()},
+                        slice_counted=float(self.cfg.count_slice))
       self.engine.release(slice_trees)
     info.update(keep_info, **slice_info, **{f"ledger_{k}": v for k, v in ledger.items()})
     return StepSample(trees=kept, all_trees=trees, predictions=predictions, info=info,
-                      slice_predictions=slice_preds)
+                      slice_predictions=slice_preds, slice_trees=slice_trees)
 
   def _sample_roots(self, examples, plan) -> list[Tree]:
     """Stage 1's rollouts; each tree records how many it got and whether a forced slot took it."""
@@ -248,6 +271,11 @@ def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:
     sel, p_hat = counts > 0, plan.p_hat
     info["stage1_predicted_mixed"] = float(np.mean(allocators.root_value(p_hat[sel],
                                                                          counts[sel])))
+    if plan.concentration is not None:  # what the Beta expects (no discovery term)
+      a, b = allocators.beta_params(p_hat[sel], plan.concentration[sel])
+      info["stage1_posterior_mixed"] = float(np.mean(allocators.root_value_posterior(
+          a, b, counts[sel], int(counts.max()))))
+      info["root_concentration_mean"] = float(np.mean(plan.concentration[sel]))
     if not sel.all():
       info["pool_p_hat_selected"] = float(np.mean(p_hat[sel]))
       info["pool_p_hat_left_out"] = float(np.mean(p_hat[~sel]))

@@ -16,6 +16,24 @@ counts, so each counted leaf is one Bernoulli observation. Leaves (finished traj
 queried at allocation; they get `leaf_weight` (0 by default), so the fit spends itself on the roots
 and turn boundaries allocation reads.
 
+Likelihood. With visit weighting (a node weighs its counted leaves n_y) the weighted BCE of target
+V(y) is exactly the binomial log-likelihood of the node's k_y = n_y V(y) successes in n_y
+outcomes, up to a constant: a root with 8 rollouts is 8 Bernoulli observations of one p, a turn
+prefix with one continuation is one. Nothing is double counted; turn prefixes weigh much of the
+fit because there are many of them, each with its own p.
+
+Held-out prompts and early stopping (`holdout` > 0). A fixed share of prompts (by a hash of their
+token ids, so a prompt is always on the same side) is kept out of the fit; each fit step also
+scores the held-out rows, and the fit returns the parameters of the step with the lowest held-out
+loss (the first step's input counts as a candidate, so a fit that only hurts changes nothing).
+
+Ensemble (`ensemble` = K > 1). K - 1 member heads live in the fitter beside the model's head; each
+fit steps every member on its own bootstrap (Poisson(1) weights per row, drawn anew per fit) of
+the same rows, with its own optimizer state. `spread(pred_state, features)` returns the mean and
+variance of p̂ over the K heads: the disagreement of heads fit on resampled data, a standard
+estimate of how far the fit's p̂ can be from what more data would give. Stage 1 turns it into a
+Beta concentration (`allocators.concentration_from_spread`).
+
 Optimizer state. The fitter keeps its own optax state (`state_dict` / `load_state_dict` for
 checkpoints): its weighted full-batch fit and the joint update's per-step fit are two objectives,
 and one Adam state shared between them would carry each one's moments into the other.
@@ -25,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -64,17 +83,63 @@ def node_examples(trees, with_meta: bool = False):
 
 
 @functools.lru_cache(maxsize=8)
-def _fit_fn(pred_graphdef, tx, steps: int):
-  def fit(pred_state, opt_state, x, y, w):
-    def one(carry, _):
-      s, o = carry
-      loss, g = jax.value_and_grad(
-          lambda q: predictor_bce(nnx.merge(pred_graphdef, q)(x), y, w))(s)
+def _fit_fn(pred_graphdef, tx, steps: int, members: bool = False):
+  """Jitted fit: `steps` Adam steps on (x, y, w); returns (state, opt_state, first train loss,
+  last train loss, held-out loss of the returned state, its step). With held-out rows (weights
+  hw > 0) the returned state is the step with the lowest held-out loss (step 0 = the input).
+  `members`: vmapped over a leading member axis of the state, optimizer state and weights."""
+  def loss_fn(q, x, y, w):
+    return predictor_bce(nnx.merge(pred_graphdef, q)(x), y, w)
+
+  def fit(pred_state, opt_state, x, y, w, hx, hy, hw):
+    has_hold = jnp.sum(hw) > 0
+    h0 = jnp.where(has_hold, loss_fn(pred_state, hx, hy, hw), 0.0)
+
+    def one(carry, i):
+      s, o, best, best_loss, best_step = carry
+      loss, g = jax.value_and_grad(loss_fn)(s, x, y, w)
       u, o = tx.update(g, o, s)
-      return (optax.apply_updates(s, u), o), loss
-    (s, o), losses = jax.lax.scan(one, (pred_state, opt_state), None, length=steps)
-    return s, o, losses[0], losses[-1]
+      s = optax.apply_updates(s, u)
+      h = jnp.where(has_hold, loss_fn(s, hx, hy, hw), 0.0)
+      better = has_hold & (h < best_loss)
+      best = jax.tree.map(lambda a, b: jnp.where(better, a, b), s, best)
+      return (s, o, best, jnp.where(better, h, best_loss),
+              jnp.where(better, i + 1, best_step)), loss
+
+    init = (pred_state, opt_state, pred_state, h0, jnp.int32(0))
+    (s, o, best, best_loss, best_step), losses = jax.lax.scan(
+        one, init, jnp.arange(steps, dtype=jnp.int32))
+    out = jax.tree.map(lambda a, b: jnp.where(has_hold, a, b), best, s)
+    step = jnp.where(has_hold, best_step, steps)
+    return out, o, losses[0], losses[-1], best_loss, h0, step
+
+  if members:
+    fit = jax.vmap(fit, in_axes=(0, 0, None, None, 0, None, None, None))
   return jax.jit(fit)
+
+
+@functools.lru_cache(maxsize=8)
+def _member_probs_fn(pred_graphdef):
+  return jax.jit(jax.vmap(lambda q, x: nnx.merge(pred_graphdef, q).prob(x), in_axes=(0, None)))
+
+
+def held_out(prompt_ids, share: float) -> bool:
+  """Whether a prompt is in the held-out share: a hash of its token ids, so the same prompt is
+  held out at every step and in every process."""
+  if share <= 0:
+    return False
+  h = zlib.crc32(np.asarray(prompt_ids, np.int64).tobytes())
+  return (h % 10007) < share * 10007
+
+
+def _pad_rows(x, y, w, bucket):
+  n = len(y)
+  rows = max(-(-n // bucket) * bucket, bucket)  # few shapes, few compiles
+  xp = np.zeros((rows, x.shape[1] if x.ndim == 2 else 0), np.float32)
+  yp = np.zeros(rows, np.float32)
+  wp = np.zeros(rows, np.float32)
+  xp[:n], yp[:n], wp[:n] = x, y, w
+  return xp, yp, wp
 
 
 class PredictorFitter:
@@ -92,12 +157,16 @@ class PredictorFitter:
   of the policies that sampled them (a prompt is one cheap prefill).
   `pred_state`: the head's parameters, to create the fitter's own optimizer state now (otherwise
   at the first fit); `state_dict()` / `load_state_dict(d)` save and restore it.
+  `holdout`: share of prompts held out of the fit for early stopping (module docstring).
+  `ensemble`: heads in the fit, the model's and ensemble - 1 bootstrap members (module docstring);
+  the members are created from `pred_state` (or at the first fit).
   """
 
   def __init__(self, pred_graphdef, tx, steps: int = 50, buffer_steps: int = 4,
                max_rows: int = 8192, bucket: int = 1024, seed: int = 0,
                weighting: str = "uniform", root_buffer_steps: int | None = None,
-               root_features=None, leaf_weight: float = 0.0, pred_state=None):
+               root_features=None, leaf_weight: float = 0.0, pred_state=None,
+               holdout: float = 0.0, ensemble: int = 1):
     if weighting not in ("uniform", "visits"):
       raise ValueError(f"weighting must be 'uniform' or 'visits', got {weighting!r}")
     self.graphdef, self.tx, self.steps, self.weighting = pred_graphdef, tx, steps, weighting
@@ -107,23 +176,66 @@ class PredictorFitter:
     self.root_features = root_features
     self.rng = np.random.default_rng(seed)
     self.leaf_weight = float(leaf_weight)
-    self.opt_state = None if pred_state is None else tx.init(pred_state)
+    if not 0.0 <= holdout < 1.0 or ensemble < 1:
+      raise ValueError(f"need 0 <= holdout < 1 and ensemble >= 1, got {holdout}, {ensemble}")
+    self.holdout, self.ensemble = float(holdout), int(ensemble)
+    self.opt_state = None
+    self.members = self.member_opt = None
+    if pred_state is not None:
+      self.init(pred_state)
 
   # ---- the fitter's own optimizer state ----------------------------------------------------------
   def init(self, pred_state) -> None:
-    """Creates a fresh optimizer state for the head's parameters `pred_state`."""
+    """Creates a fresh optimizer state for the head's parameters `pred_state`, and the ensemble's
+    members: copies of `pred_state` with a small member-specific perturbation of every weight
+    (N(0, 0.02^2) times the leaf's RMS), so bootstrap and start both differ between heads."""
     self.opt_state = self.tx.init(pred_state)
+    if self.ensemble > 1:
+      k = self.ensemble - 1
+      leaves, treedef = jax.tree.flatten(pred_state)
+      rng = np.random.default_rng(12345)
+      stacked = []
+      for x in leaves:
+        x = np.asarray(x)
+        if np.issubdtype(x.dtype, np.floating):
+          scale = 0.02 * float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+          noise = rng.normal(0.0, 1.0, (k, *x.shape)) * scale
+          stacked.append(jnp.asarray(x[None] + noise, x.dtype))
+        else:
+          stacked.append(jnp.asarray(np.broadcast_to(x, (k, *x.shape))))
+      self.members = jax.tree.unflatten(treedef, stacked)
+      self.member_opt = jax.vmap(self.tx.init)(self.members)
 
   def state_dict(self) -> dict:
-    """The fitter's optimizer state, a pytree of arrays (for a checkpoint). Call `init` or pass
-    `pred_state` to the constructor first, so a fresh fitter has the structure to restore into."""
+    """The fitter's optimizer state (and the ensemble members' parameters and optimizer states),
+    a pytree of arrays (for a checkpoint). Call `init` or pass `pred_state` to the constructor
+    first, so a fresh fitter has the structure to restore into."""
     if self.opt_state is None:
       raise ValueError("the fitter has no optimizer state yet: call init(pred_state) first")
-    return {"opt_state": self.opt_state}
+    d = {"opt_state": self.opt_state}
+    if self.members is not None:
+      d.update(members=self.members, member_opt=self.member_opt)
+    return d
 
   def load_state_dict(self, d: dict) -> None:
     """Restores what `state_dict` returned."""
     self.opt_state = d["opt_state"]
+    if "members" in d:
+      self.members, self.member_opt = d["members"], d["member_opt"]
+
+  def spread(self, pred_state, features):
+    """(mean f32[N], variance f32[N]) of p̂ over the ensemble: the model's head `pred_state` and
+    the members. Without members: (the head's p̂, zeros)."""
+    x = np.asarray(features, np.float32)
+    n = len(x)
+    xp = np.zeros((max(-(-n // 64) * 64, 64), x.shape[1]), np.float32)
+    xp[:n] = x
+    probs = _member_probs_fn(self.graphdef)
+    main = np.asarray(probs(jax.tree.map(lambda a: jnp.asarray(a)[None], pred_state), xp))
+    if self.members is None:
+      return main[0, :n], np.zeros(n, np.float32)
+    allp = np.concatenate([main, np.asarray(probs(self.members, xp))])[:, :n]
+    return allp.mean(0).astype(np.float32), allp.var(0).astype(np.float32)
 
   # ---- data and fit ------------------------------------------------------------------------------
   def add(self, trees) -> int:
@@ -131,7 +243,10 @@ class PredictorFitter:
     if len(y):
       w = n if self.weighting == "visits" else np.ones_like(y)
       w = np.where(leaf, w * self.leaf_weight, w).astype(np.float32)
-      self.buffer.append((x[~root], y[~root], w[~root], leaf[~root]))
+      # Each example's prompt on the held-out side or not (node_examples walks trees in order).
+      held = np.concatenate([np.full(_num_examples(t), held_out(t.prompt_ids, self.holdout))
+                             for t in trees]).astype(bool)
+      self.buffer.append((x[~root], y[~root], w[~root], leaf[~root], held[~root]))
       prompts = [t.prompt_ids for t in trees
                  if t.root.feature is not None and t.root.value is not None]
       self.roots.append((x[root], y[root], w[root], prompts))
@@ -162,25 +277,51 @@ class PredictorFitter:
     leaf = np.concatenate([b[3] for b in self.buffer] + [np.zeros(len(r[1]), bool) for r in roots])
     is_root = np.concatenate([np.zeros(len(b[1]), bool) for b in self.buffer] +
                              [np.ones(len(r[1]), bool) for r in roots])
+    # Buffers saved before the holdout existed have 4 fields: nothing of them is held out.
+    held = np.concatenate([b[4] if len(b) > 4 else np.zeros(len(b[1]), bool)
+                           for b in self.buffer] +
+                          [np.asarray([held_out(p, self.holdout) for p in r[3]], bool)
+                           if len(r[3]) == len(r[1]) else np.zeros(len(r[1]), bool)
+                           for r in roots])
     keep = w > 0  # rows without weight (leaves, by default) would only take room
-    x, y, w, leaf, is_root = x[keep], y[keep], w[keep], leaf[keep], is_root[keep]
+    x, y, w, leaf, is_root, held = (a[keep] for a in (x, y, w, leaf, is_root, held))
     if len(y) > self.max_rows:
       keep = self.rng.choice(len(y), self.max_rows, replace=False)
-      x, y, w, leaf, is_root = x[keep], y[keep], w[keep], leaf[keep], is_root[keep]
-    if not len(y):
+      x, y, w, leaf, is_root, held = (a[keep] for a in (x, y, w, leaf, is_root, held))
+    if not (~held).any():
       return done(pred_state, {})
-    n = len(y)
-    rows = -(-n // self.bucket) * self.bucket  # few shapes, few compiles
-    xp = np.zeros((rows, x.shape[1]), np.float32)
-    yp = np.zeros(rows, np.float32)
-    wp = np.zeros(rows, np.float32)
-    xp[:n], yp[:n], wp[:n] = x, y, w
-    fit = _fit_fn(self.graphdef, self.tx, int(steps or self.steps))
-    pred_state, self.opt_state, first, last = fit(pred_state, self.opt_state, jnp.asarray(xp),
-                                                  jnp.asarray(yp), jnp.asarray(wp))
+    tr = ~held
+    n = int(tr.sum())
+    xp, yp, wp = _pad_rows(x[tr], y[tr], w[tr], self.bucket)
+    hx, hy, hw = _pad_rows(x[held], y[held], w[held], 256)
+    args = [jnp.asarray(a) for a in (xp, yp, wp, hx, hy, hw)]
+    steps = int(steps or self.steps)
+    fit = _fit_fn(self.graphdef, self.tx, steps)
+    pred_state, self.opt_state, first, last, hbest, h0, best_step = fit(
+        pred_state, self.opt_state, *args)
     # Share of the fit's weight on roots and on leaves (the rest: turn boundaries).
-    total = float(w.sum())
-    return done(pred_state, dict(predictor_fit_rows=n, predictor_fit_bce_first=float(first),
-                                 predictor_fit_bce_last=float(last),
-                                 predictor_fit_leaf_weight_share=float(w[leaf].sum()) / total,
-                                 predictor_fit_root_weight_share=float(w[is_root].sum()) / total))
+    wt = w[tr]
+    total = float(wt.sum())
+    info = dict(predictor_fit_rows=n, predictor_fit_bce_first=float(first),
+                predictor_fit_bce_last=float(last),
+                predictor_fit_leaf_weight_share=float(wt[leaf[tr]].sum()) / total,
+                predictor_fit_root_weight_share=float(wt[is_root[tr]].sum()) / total)
+    if held.any():
+      info.update(predictor_fit_holdout_rows=int(held.sum()),
+                  predictor_fit_holdout_bce_start=float(h0),
+                  predictor_fit_holdout_bce_best=float(hbest),
+                  predictor_fit_best_step=int(best_step))
+    if self.members is not None:
+      k = self.ensemble - 1
+      boot = self.rng.poisson(1.0, (k, len(wp))).astype(np.float32) * wp[None]
+      mfit = _fit_fn(self.graphdef, self.tx, steps, members=True)
+      self.members, self.member_opt, *_ = mfit(self.members, self.member_opt, args[0], args[1],
+                                               jnp.asarray(boot), *args[3:])
+      info["predictor_fit_members"] = self.ensemble
+    return done(pred_state, info)
+
+
+def _num_examples(tree) -> int:
+  """How many rows `node_examples` makes of one tree (after its `backup`)."""
+  values, _ = rollout_values(tree)
+  return sum(1 for nd in tree.nodes if nd.feature is not None and values[nd.id] is not None)

@@ -99,14 +99,36 @@ def _subtree_sums(parent, weight, values, max_depth: int):
   return w_sum, v_sum
 
 
-def backup_values(parent, is_leaf, reward, valid, max_depth: int):
-  """Mean leaf reward and leaf count of every node's subtree.
+VALUE_ESTIMATORS = ("children", "leaves")
 
-  V(y) = (1 / n_y) sum of r over the leaves below y (y included), which equals the visit-weighted
-  backup V(y) = (1 / n_y) sum_c n_c V(c) over y's children.
+
+def backup_values(parent, is_leaf, reward, valid, max_depth: int, estimator: str = "children"):
+  """Value of every node's subtree and its leaf count.
+
+  Two estimators of V(y), the success probability of the policy continuing from prefix y:
+    "children" (default): V(leaf) = r; V(y) = (1 / |C_y|) sum over y's children c with a finished
+      leaf below of V(c). Each child of a branch point is one independent draw of the policy's next
+      turn, so the plain mean over children is unbiased for V(y) however many continuations were
+      later forked *below* a child. Stage 2 forks continuations into chosen subtrees; with the leaf
+      mean those subtrees weigh as many times as they hold leaves, which biases V at every branch
+      point above a fork toward the forked subtree's outcomes.
+    "leaves": V(y) = (1 / n_y) sum of r over the leaves below y (the visit-weighted backup
+      (1 / n_y) sum_c n_c V(c)). Equal to "children" when every child holds the same number of
+      leaves (a GRPO group, a uniformly forked tree); kept to reproduce runs from before the change.
+
+  Example of the difference: a prompt with 6 failed first rollouts, then 4 continuations forked
+  after the first turn of rollout 1, 2 of them successes. Leaf mean: V(root) = 2/10 = 0.2. Child
+  mean: V(turn 1 of rollout 1) = 2/5 (its own failed continuation and the 4 forks, one draw each)
+  and V(root) = (0.4 + 5 * 0) / 6 = 0.067.
+
+  Which estimators this changes: `tree_contrastive_advantages` (V(c) and V(b(c))),
+  `tree_grpo_advantages` (V(c), V(s) and the prompt baseline, which becomes V(root)) and
+  `treerl_advantages` (V(c), V(b(c)), V(root)). `grpo_advantages` keeps the leaf mean: GRPO's
+  baseline is by definition the mean reward of the group it trains.
 
   Args:
     parent: i32[N]; is_leaf: bool[N]; reward: f32[N]; valid: bool[N]; max_depth: static int.
+    estimator: "children" or "leaves" (static).
 
   Returns:
     V: f32[N] (0 where n == 0), n: f32[N] leaf counts.
@@ -115,14 +137,47 @@ def backup_values(parent, is_leaf, reward, valid, max_depth: int):
     >>> parent = jnp.array([-1, 0, 0, 1, 1])  # prompt; turns 1, 2; node 1 branches into 3, 4
     >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
     >>> v, n = backup_values(parent, is_leaf, reward, jnp.ones(5, bool), max_depth=2)
-    >>> print(np.asarray(v).round(2), n.tolist())
-    [0.33 0.5  0.   1.   0.  ] [3.0, 2.0, 1.0, 1.0, 1.0]
+    >>> print(np.asarray(v).round(2), n.tolist())  # V(root) = mean(V(1)=0.5, V(2)=0)
+    [0.25 0.5  0.   1.   0.  ] [3.0, 2.0, 1.0, 1.0, 1.0]
+    >>> v, _ = backup_values(parent, is_leaf, reward, jnp.ones(5, bool), 2, estimator="leaves")
+    >>> print(np.asarray(v).round(2))  # V(root) = 1 success of 3 leaves
+    [0.33 0.5  0.   1.   0.  ]
   """
+  if estimator not in VALUE_ESTIMATORS:
+    raise ValueError(f"unknown value estimator {estimator!r}; choose one of {VALUE_ESTIMATORS}")
   parent = jnp.asarray(parent, jnp.int32)
-  leaf = (jnp.asarray(is_leaf, bool) & jnp.asarray(valid, bool)).astype(jnp.float32)
+  valid = jnp.asarray(valid, bool)
+  leaf = (jnp.asarray(is_leaf, bool) & valid).astype(jnp.float32)
   reward = jnp.asarray(reward, jnp.float32)
   n, total = _subtree_sums(parent, leaf, jnp.where(leaf > 0, reward, 0.0), max_depth)
-  return jnp.where(n > 0, total / jnp.maximum(n, 1.0), 0.0), n
+  if estimator == "leaves":
+    return jnp.where(n > 0, total / jnp.maximum(n, 1.0), 0.0), n
+  return _child_mean_values(parent, leaf, reward, valid, n, max_depth), n
+
+
+def _child_mean_values(parent, leaf, reward, valid, n, max_depth: int):
+  """V by the child-mean recursion, one level per iteration from the deepest up. f32[N].
+
+  At level d every node of depth d is final (its children, at d + 1, were folded in the previous
+  iteration), so it pushes V to its parent's (sum, count) with one scatter; the parents of depth
+  d - 1 that are not leaves then read their mean. O(N * max_depth) work, like `_subtree_sums`.
+  """
+  size = parent.shape[0]
+  depth = node_depth(parent, max_depth + 1)
+  counts = valid & (n > 0)  # A child without a finished leaf below carries no outcome.
+  seg_parent = jnp.where(parent >= 0, parent, size)
+  v0 = jnp.where(leaf > 0, reward, 0.0)
+
+  def level(i, v):
+    d = max_depth - i
+    push = counts & (depth == d)
+    seg = jnp.where(push, seg_parent, size)
+    s = jnp.zeros((size,), jnp.float32).at[seg].add(v, mode="drop")
+    k = jnp.zeros((size,), jnp.float32).at[seg].add(1.0, mode="drop")
+    inner = (depth == d - 1) & (leaf == 0) & (k > 0)
+    return jnp.where(inner, s / jnp.maximum(k, 1.0), v)
+
+  return jax.lax.fori_loop(0, max_depth + 1, level, v0)
 
 
 def _tree_leaf_stats(is_leaf, reward, tree, valid):
@@ -140,6 +195,15 @@ def _tree_leaf_stats(is_leaf, reward, tree, valid):
   std = jnp.sqrt(sq / jnp.maximum(count, 1.0))
   node_tree = jnp.clip(tree, 0, n - 1)
   return mean[node_tree], std[node_tree]
+
+
+def _root_values(v, parent, tree, valid):
+  """V of each node's tree root (the prompt node), gathered per node. f32[N]."""
+  size = parent.shape[0]
+  tree = jnp.asarray(tree, jnp.int32)
+  seg = jnp.where(jnp.asarray(valid, bool) & (parent < 0), tree, size)
+  root_v = jnp.zeros((size,), jnp.float32).at[seg].set(v, mode="drop")
+  return root_v[jnp.clip(tree, 0, size - 1)]
 
 
 def _num_children(parent, valid):
@@ -182,16 +246,25 @@ def _trained(parent, valid, n):
 
 
 def tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
-                                normalize: bool = True, eps: float = 1e-6):
+                                normalize: bool = True, eps: float = 1e-6,
+                                values: str = "children"):
   """TRACE's default advantage: A_c = (V(c) - V(b(c))) / (sigma_tree + eps).
 
-  b(c) is c's branch point (module docstring), sigma_tree the population std of the leaf rewards of
-  c's tree. `normalize=False` drops the division (Dr.GRPO style).
+  b(c) is c's branch point (module docstring), V the child-mean values of `backup_values` (unbiased
+  under stage-2 forks; values="leaves" for the leaf mean), sigma_tree the population std of the
+  leaf rewards of c's tree. `normalize=False` drops the division (Dr.GRPO style).
+
+  Why sigma_tree is the leaf std: it is a scale, not a baseline. It is one constant per tree, so it
+  changes no sign and no order of advantages within a tree, only the step size a tree gets; the
+  leaves are the samples whose tokens are trained, and their std is 0 exactly when every outcome
+  of the tree is equal (no contrast, advantage 0), as GRPO's group std is. A child-weighted std
+  would shrink the weight of the forked subtree's leaves, whose outcomes are the ones trained.
 
   Args:
     parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
     max_depth: static int.
     normalize: divide by sigma_tree + eps.
+    values: "children" or "leaves", the estimator of V (`backup_values`).
 
   Returns:
     f32[N] per-node advantages.
@@ -202,10 +275,10 @@ def tree_contrastive_advantages(parent, is_leaf, reward, tree, valid, max_depth:
     >>> adv = tree_contrastive_advantages(parent, is_leaf, reward, jnp.zeros(5, int),
     ...                                   jnp.ones(5, bool), max_depth=2)
     >>> print(np.asarray(adv).round(2))  # node 3 vs its sibling 4, node 1 vs sibling 2
-    [ 0.    0.35 -0.71  1.06 -1.06]
+    [ 0.    0.53 -0.53  1.06 -1.06]
   """
   parent = jnp.asarray(parent, jnp.int32)
-  v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
+  v, n = backup_values(parent, is_leaf, reward, valid, max_depth, values)
   anc = branch_point(parent, valid, max_depth)
   _, std = _tree_leaf_stats(is_leaf, reward, tree, valid)
   adv = jnp.where(std > _MIN_STD, v - _gather(v, anc), 0.0)
@@ -239,7 +312,7 @@ def grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
     [ 0.    0.35 -0.71  1.41 -0.71]
   """
   parent = jnp.asarray(parent, jnp.int32)
-  v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
+  v, n = backup_values(parent, is_leaf, reward, valid, max_depth, "leaves")
   mean, std = _tree_leaf_stats(is_leaf, reward, tree, valid)
   adv = jnp.where(std > _MIN_STD, v - mean, 0.0)
   if normalize:
@@ -248,7 +321,7 @@ def grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
 
 
 def tree_grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
-                         normalize: bool = True, eps: float = 1e-6):
+                         normalize: bool = True, eps: float = 1e-6, values: str = "children"):
   """Tree-GRPO advantage: GRPO over the prompt plus GRPO within the subtree of a first rollout.
 
   Tree-GRPO sums an inter-tree term (leaves of all trees of a prompt) and an intra-tree term (leaves
@@ -257,11 +330,16 @@ def tree_grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *
     A_l = (r_l - mean_prompt) / (sigma_prompt + eps) + (r_l - V(s)) / (sigma_s + eps),
   sigma_s the population std of the leaf rewards under s. Shared nodes c under s get the mean over
   their leaves: (V(c) - mean_prompt) / (sigma_prompt + eps) + (V(c) - V(s)) / (sigma_s + eps).
+  With values="children" (default) V is the child-mean value of `backup_values` and mean_prompt is
+  V(root), the mean over the prompt's first rollouts, so a subtree that stage 2 forked into does not
+  weigh more in either baseline; values="leaves" gives the leaf means of the original. The stds
+  stay leaf stds (scales, see `tree_contrastive_advantages`).
 
   Args:
     parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
     max_depth: static int.
     normalize: divide each term by its std + eps.
+    values: "children" or "leaves", the estimator of V (`backup_values`).
 
   Returns:
     f32[N] per-node advantages.
@@ -271,29 +349,30 @@ def tree_grpo_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *
     >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
     >>> adv = tree_grpo_advantages(parent, is_leaf, reward, jnp.zeros(5, int), jnp.ones(5, bool), 2)
     >>> print(np.asarray(adv).round(2))
-    [ 0.    0.35 -0.71  2.41 -1.71]
+    [ 0.    0.53 -0.53  2.59 -1.53]
   """
   parent = jnp.asarray(parent, jnp.int32)
   reward = jnp.asarray(reward, jnp.float32)
-  v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
+  v, n = backup_values(parent, is_leaf, reward, valid, max_depth, values)
+  v_leaf, _ = backup_values(parent, is_leaf, reward, valid, max_depth, "leaves")
   mean, std = _tree_leaf_stats(is_leaf, reward, tree, valid)
+  baseline = mean if values == "leaves" else _root_values(v, parent, tree, valid)
   s = _first_turn_ancestor(parent, valid, max_depth)
-  v_s = _gather(v, s)
-  # Two-pass std under s (squared deviations from V(s), summed up the tree) avoids the cancellation
-  # of E[r^2] - V^2.
+  # Two-pass std under s (squared deviations from the leaf mean under s, summed up the tree) avoids
+  # the cancellation of E[r^2] - V^2.
   leaf = (jnp.asarray(is_leaf, bool) & jnp.asarray(valid, bool)).astype(jnp.float32)
-  dev2 = jnp.where(leaf > 0, (reward - v_s) ** 2, 0.0)
+  dev2 = jnp.where(leaf > 0, (reward - _gather(v_leaf, s)) ** 2, 0.0)
   _, dev2_sum = _subtree_sums(parent, leaf, dev2, max_depth)
   std_s = jnp.sqrt(_gather(dev2_sum, s) / jnp.maximum(_gather(n, s), 1.0))
-  inter = jnp.where(std > _MIN_STD, v - mean, 0.0)
-  intra = jnp.where(std_s > _MIN_STD, v - v_s, 0.0)
+  inter = jnp.where(std > _MIN_STD, v - baseline, 0.0)
+  intra = jnp.where(std_s > _MIN_STD, v - _gather(v, s), 0.0)
   if normalize:
     inter, intra = inter / (std + eps), intra / (std_s + eps)
   return jnp.where(_trained(parent, valid, n), inter + intra, 0.0)
 
 
 def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
-                      sqrt_leaf_norm: bool = True):
+                      sqrt_leaf_norm: bool = True, values: str = "children"):
   """TreeRL's process signal: (global + local advantage) / sqrt(number of leaves below).
 
   TreeRL scores a step s by its global advantage V(s) - V(root) plus its local advantage
@@ -301,13 +380,15 @@ def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
   steps that would be trained once per leaf. Its steps are the segments between forks, so the parent
   step is the branch point b(c) here:
     A_c = ((V(c) - V(root)) + (V(c) - V(b(c)))) / sqrt(n_c).
-  V(root) is the mean leaf reward of the tree. With the ownership mask a shared node is trained
+  V is the child-mean value of `backup_values` (values="leaves": the leaf mean, so V(root) is the
+  tree's mean leaf reward, as in the original). With the ownership mask a shared node is trained
   once, not n_c times; `sqrt_leaf_norm=False` drops the division.
 
   Args:
     parent, is_leaf, reward, tree, valid: the flat tree arrays, [N] (module docstring).
     max_depth: static int.
     sqrt_leaf_norm: divide by sqrt(n_c).
+    values: "children" or "leaves", the estimator of V (`backup_values`).
 
   Returns:
     f32[N] per-node advantages.
@@ -317,13 +398,14 @@ def treerl_advantages(parent, is_leaf, reward, tree, valid, max_depth: int, *,
     >>> is_leaf, reward = jnp.arange(5) >= 2, jnp.array([0.0, 0.0, 0.0, 1.0, 0.0])
     >>> adv = treerl_advantages(parent, is_leaf, reward, jnp.zeros(5, int), jnp.ones(5, bool), 2)
     >>> print(np.asarray(adv).round(2))
-    [ 0.    0.24 -0.67  1.17 -0.83]
+    [ 0.    0.35 -0.5   1.25 -0.75]
   """
   parent = jnp.asarray(parent, jnp.int32)
-  v, n = backup_values(parent, is_leaf, reward, valid, max_depth)
+  v, n = backup_values(parent, is_leaf, reward, valid, max_depth, values)
   mean, std = _tree_leaf_stats(is_leaf, reward, tree, valid)
+  root_v = mean if values == "leaves" else _root_values(v, parent, tree, valid)
   anc = branch_point(parent, valid, max_depth)
-  adv = jnp.where(std > _MIN_STD, (v - mean) + (v - _gather(v, anc)), 0.0)
+  adv = jnp.where(std > _MIN_STD, (v - root_v) + (v - _gather(v, anc)), 0.0)
   if sqrt_leaf_norm:
     adv = adv / jnp.sqrt(jnp.maximum(n, 1.0))
   return jnp.where(_trained(parent, valid, n), adv, 0.0)

@@ -27,28 +27,34 @@ ADVANTAGES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(kind: str, max_depth: int, normalize: bool):
+def _jitted(kind: str, max_depth: int, normalize: bool, values: str):
   kw = {"normalize": normalize} if kind != "treerl" else {}
+  if kind != "grpo":  # GRPO's baseline is the group's leaf mean by definition.
+    kw["values"] = values
   return jax.jit(lambda p, l, r, t, v: ADVANTAGES[kind](p, l, r, t, v, max_depth, **kw))
 
 
 def node_advantages(flat: dict, kind: str, max_depth: int, normalize: bool = True,
-                    bucket: int = 256) -> np.ndarray:
+                    bucket: int = 256, values: str = "children") -> np.ndarray:
   """Per-node advantages f32[N] of the flat trees with the named estimator.
 
-  The node arrays are padded to a multiple of `bucket` (invalid nodes) so the jitted estimator
-  compiles once per bucket, not once per step."""
+  `values` names the estimator of V at branch points (`advantages.backup_values`: "children", the
+  unbiased child mean, or "leaves"); GRPO ignores it. The node arrays are padded to a multiple of
+  `bucket` (invalid nodes) so the jitted estimator compiles once per bucket, not once per step."""
   if kind not in ADVANTAGES:
     raise ValueError(f"unknown advantage {kind!r}; choose one of {sorted(ADVANTAGES)}")
+  if values not in adv_lib.VALUE_ESTIMATORS:
+    raise ValueError(f"unknown value estimator {values!r}; choose one of "
+                     f"{adv_lib.VALUE_ESTIMATORS}")
   n = len(flat["parent"])
   pad = -(-max(n, 1) // bucket) * bucket - n
   args = [np.concatenate([flat[k], np.full(pad, fill, flat[k].dtype)]) for k, fill in
           (("parent", -1), ("is_leaf", False), ("reward", 0.0), ("tree", 0), ("valid", False))]
-  return np.asarray(_jitted(kind, max_depth, normalize)(*args))[:n]
+  return np.asarray(_jitted(kind, max_depth, normalize, values)(*args))[:n]
 
 
 def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize: bool = True,
-                    pred_leaf_weight: float = 0.0):
+                    pred_leaf_weight: float = 0.0, values: str = "children"):
   """Per-leaf sequences with per-token mask/advantage/old log-prob and per-node predictor targets.
 
   Predictor targets are V(y) over the leaves of rollouts started at y or above
@@ -61,7 +67,7 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
   pred_pos / pred_target / pred_weight ([nodes on the path]).
   """
   flat = to_flat(trees)
-  adv = node_advantages(flat, kind, max_depth, normalize)
+  adv = node_advantages(flat, kind, max_depth, normalize, values=values)
   seqs, offset, owned_tokens, owned_nodes = [], 0, set(), set()
   for t in trees:
     targets, _ = rollout_values(t)

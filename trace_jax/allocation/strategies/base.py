@@ -78,6 +78,8 @@ class RootPlan:
   allocation used (calibrated when calibration is on), or None when it read no predictor.
   raw_p_hat: the head's own p̂ before calibration (None likewise). calibration: the Platt map
   (a, b) applied. slots: pool indices taken by forced slots ({"explored": ..., "hard": ...}).
+  concentration: f32[P] κ of the Beta(κ p̂, κ (1 - p̂)) the root objective read (None for the
+  paper's point-estimate objective).
   """
   counts: np.ndarray
   p_hat: np.ndarray | None = None
@@ -85,6 +87,7 @@ class RootPlan:
   calibration: tuple[float, float] = (1.0, 0.0)
   slots: dict = dataclasses.field(
       default_factory=lambda: {"explored": _NO_INDEX, "hard": _NO_INDEX})
+  concentration: np.ndarray | None = None
 
 
 class Strategy:

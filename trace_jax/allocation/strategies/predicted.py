@@ -39,28 +39,39 @@ class PredictedRoots(Strategy):
       counts[:n_sel] = np.asarray(_alloc_roots(c.root_budget, c.min_per_prompt, cap)(
           np.full(n_sel, 0.5, np.float32)))
       return RootPlan(counts)
-    raw = np.clip(driver.predict(driver.prompt_features([e["prompt_ids"] for e in examples])),
-                  1e-4, 1 - 1e-4).astype(np.float32)
+    feats = driver.prompt_features([e["prompt_ids"] for e in examples])
+    raw = np.clip(driver.predict(feats), 1e-4, 1 - 1e-4).astype(np.float32)
     p_hat, calibration = driver.calibrated(raw)
     # The forced slots apply whether or not the pool is larger than the step: with every prompt
     # taken, a slot still gives its prompt the share of the budget p̂ = 0.5 would get.
     seen, slots = forced_slots(p_hat, n_sel, c.hard_prompts, c.explore_prompts, driver.rng)
+    kappa = None
+    if c.root_objective != "paper":
+      kappa = driver.concentration(feats)
+      lo = c.min_per_prompt if n_sel < p else 0
+      table = _root_table(c.root_objective, lo, cap, c.discovery_beta)(seen, kappa)
     if n_sel < p:  # choose the prompts as well as their counts
-      counts = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)(seen)
+      alloc = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)
     else:
-      counts = _alloc_roots(c.root_budget, c.min_per_prompt, cap)(seen)
-    return RootPlan(np.asarray(counts), p_hat, raw, calibration, slots)
+      alloc = _alloc_roots(c.root_budget, c.min_per_prompt, cap)
+    counts = alloc(seen) if kappa is None else alloc(seen, table)
+    return RootPlan(np.asarray(counts), p_hat, raw, calibration, slots, kappa)
 
   def candidates(self, trees):
     """The turn boundaries, and with `root_anchors` (config) the root of every tree whose stage-1
     leaves all agree: a fresh draw there is the only way to flip a tree whose rollouts all took
-    the same wrong turn at the first step."""
+    the same wrong turn at the first step. With `anchors="before_tool_call"` a turn boundary is an
+    anchor only if its stage-1 rollout made another tool call after it (its next turn is not the
+    last): a boundary after the last call is past the search that decided the outcome, so a
+    continuation there can only re-word the answer, cheaply, which gain per token over-rewards."""
     cands = []
     roots = self.root_anchors and self.cfg.root_anchors
+    before_tool = self.cfg.anchors == "before_tool_call"
     for ti, t in enumerate(trees):
       if roots and t.leaves() and not t.mixed:
         cands.append((ti, 0))
-      cands += [(ti, n.id) for n in t.nodes if n.parent >= 0 and not n.done and n.children]
+      cands += [(ti, n.id) for n in t.nodes if n.parent >= 0 and not n.done and n.children
+                and not (before_tool and t.nodes[n.children[0]].done)]
     return cands
 
 
@@ -137,10 +148,18 @@ def pad_to(x, size: int, value):
 
 @functools.lru_cache(maxsize=None)
 def _alloc_roots(budget, min_per_prompt, max_per_prompt):
-  return jax.jit(lambda p: allocators.allocate_roots(p, budget, min_per_prompt, max_per_prompt))
+  return jax.jit(lambda p, values=None: allocators.allocate_roots(
+      p, budget, min_per_prompt, max_per_prompt, values))
 
 
 @functools.lru_cache(maxsize=None)
 def _alloc_roots_subset(budget, num_selected, min_per_prompt, max_per_prompt):
-  return jax.jit(lambda p: allocators.allocate_roots_subset(p, budget, num_selected,
-                                                            min_per_prompt, max_per_prompt))
+  return jax.jit(lambda p, values=None: allocators.allocate_roots_subset(
+      p, budget, num_selected, min_per_prompt, max_per_prompt, values))
+
+
+@functools.lru_cache(maxsize=None)
+def _root_table(objective, lo, hi, beta):
+  """The jitted value table of counts lo..hi (`allocators.root_value_table`)."""
+  counts = tuple(range(lo, hi + 1))
+  return jax.jit(lambda p, kappa: allocators.root_value_table(p, counts, objective, kappa, beta))

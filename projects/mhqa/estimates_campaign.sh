@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 30's arms: each estimate fix alone, then together, on the default and low-contrast regimes
+# (3 seeds, 12 steps, the tiny variant's shared warm start), one `launch/compare.py` invocation per
+# arm. Resumable: a finished run is skipped. The baseline (tree_values=leaves, everything else as
+# before the issue) is the archived campaign `results/compare_m2_default` (default regime) and
+# `results/compare_lc_m2` (low contrast), checked to reproduce by the `baseline_check` arm.
+#   bash projects/mhqa/estimates_campaign.sh [arm ...]      (default: every arm, in this order)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=projects/mhqa/results/estimates
+COMMON=(--config=configs/mhqa.py:tiny --set=rl.steps=12 --set=eval.every=2 --seeds=3)
+OLD=(--set=rl.tree_values=leaves)
+
+arm() {  # arm NAME [compare.py flags...]
+  local name=$1; shift
+  echo "=== arm $name ($(date -u +%H:%M:%S))"
+  python launch/compare.py "${COMMON[@]}" --runs="runs/estimates/$name" --out="$OUT/$name" "$@"
+}
+
+run_arm() {
+  case $1 in
+    baseline_check) arm baseline_check "${OLD[@]}" --methods=trace_tree --seeds=1 \
+                      --regimes=default --budgets=rollouts ;;
+    children) arm children --methods=trace_tree --budgets=rollouts \
+                --set=rl.tree_values=children ;;
+    ppo_sweep) arm ppo_sweep_e2m2 --methods=grpo --regimes=default --budgets=rollouts \
+                 --set=rl.ppo_epochs=2 --set=rl.minibatches=2 ;;
+    predictor) arm predictor "${OLD[@]}" --methods=trace_tree --budgets=rollouts \
+                 --set=rl.predictor_slice=true --set=rl.predictor_holdout=0.2 \
+                 --set=rl.predictor_ensemble=4 ;;
+    discovery) arm discovery "${OLD[@]}" --methods=trace_tree --budgets=rollouts \
+                 --set=rollout.root_objective=discovery ;;
+    anchors) arm anchors "${OLD[@]}" --methods=trace_tree --regimes=low_contrast \
+               --budgets=tokens --set=rollout.anchors=before_tool_call ;;
+    together) arm together --methods=trace_tree,grpo --budgets=rollouts \
+                --set=rl.tree_values=children --set=rl.predictor_slice=true \
+                --set=rl.predictor_holdout=0.2 --set=rl.predictor_ensemble=4 \
+                --set=rollout.root_objective=discovery \
+                --set=rl.ppo_epochs=2 --set=rl.minibatches=2 ;;
+    *) echo "unknown arm $1"; return 2 ;;
+  esac
+}
+
+ARMS=("$@")
+[ ${#ARMS[@]} -eq 0 ] && ARMS=(baseline_check children ppo_sweep predictor discovery anchors together)
+for a in "${ARMS[@]}"; do run_arm "$a" || echo "arm $a failed (exit $?)"; done

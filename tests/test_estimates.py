@@ -1,0 +1,115 @@
+"""The estimates' options end to end on the smoke run's warm start: PPO epochs and minibatches,
+the posterior and discovery root objectives, anchors before a tool call, the slice counted in the
+ledger when it steers, and the head fit on the slice with a holdout and an ensemble."""
+
+import os
+
+import numpy as np
+import pytest
+
+from test_strategy_plugin import mhqa
+from test_train_smoke import smoke_args, smoke_run
+from trace_jax.allocation import strategies
+from trace_jax.config import driver_config
+from trace_jax.sampling.tree import Tree
+
+
+def _config(tmp_path, tmp_path_factory, method="trace_tree", **sections):
+  """The smoke test's config (its warm start reused from its cache), one RL step, `method`, and
+  `sections` overrides written section__field=value."""
+  base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])
+  c = mhqa.get_config("smoke")
+  for arg in smoke_args(base, 1)[1:]:
+    key, value = arg[2:].split("=", 1)
+    if key == "workdir":
+      continue
+    *path, last = key.split(".")[1:]
+    target = c
+    for k in path:
+      target = target[k]
+    target[last] = type(target[last])(value)
+  c.method, c.workdir, c.rl.steps = method, str(tmp_path / "run"), 1
+  for dotted, value in sections.items():
+    sec, key = dotted.split("__")
+    c[sec][key] = value
+  return mhqa.validate(c)
+
+
+def test_minibatch_order_covers_every_row_once_per_epoch():
+  from trace_jax.train import minibatch_order
+
+  groups = minibatch_order(12, 3, 2, seed=0, step=5)
+  assert len(groups) == 6 and all(len(g) == 4 for g in groups)
+  for epoch in (groups[:3], groups[3:]):
+    np.testing.assert_array_equal(np.sort(np.concatenate(epoch)), np.arange(12))
+  assert any(not np.array_equal(a, b) for a, b in zip(groups[:3], groups[3:]))  # reshuffled
+  again = minibatch_order(12, 3, 2, seed=0, step=5)  # a resumed step repeats its order
+  assert all(np.array_equal(a, b) for a, b in zip(groups, again))
+  np.testing.assert_array_equal(minibatch_order(8, 1, 2, 0, 0)[1], np.arange(8))
+
+
+def test_slice_counts_in_the_ledger_only_when_it_steers():
+  c = mhqa.validate(mhqa.get_config("tiny"))
+  assert not driver_config(c).count_slice
+  assert driver_config(c.replace(rollout=c.rollout.__class__(
+      **{**c.rollout.__dict__, "calibrate": "platt"}))).count_slice
+  assert driver_config(c.replace(rl=c.rl.__class__(
+      **{**c.rl.__dict__, "predictor_slice": True}))).count_slice
+
+
+def _chain(tree, parent, turns):
+  """Adds a rollout of `turns` turns below `parent`; the last is a leaf (the answer)."""
+  node = parent
+  for t in range(turns):
+    last = t == turns - 1
+    node = tree.add_node(node, gen_ids=[1, 2], obs_ids=[] if last else [7], done=last,
+                         reward=0.0 if last else None).id
+  return node
+
+
+def test_anchors_before_tool_call_skip_boundaries_after_the_last_call():
+  cfg = driver_config_of(anchors="before_tool_call")
+  strat = strategies.get("trace_tree")(cfg)
+  t = Tree(prompt_ids=[1, 2, 3])
+  _chain(t, 0, 3)  # turns 1, 2 call a tool, turn 3 answers
+  every = strategies.get("trace_tree")(driver_config_of(anchors="all")).candidates([t])
+  kept = strat.candidates([t])
+  depths = {nid: t.nodes[nid].depth for _, nid in every}
+  # Boundaries after turn 1 (a call follows) and after turn 2 (only the answer follows).
+  assert sorted(depths.values()) == [0, 1, 2]  # the root of an unmixed tree is an anchor too
+  assert sorted(t.nodes[nid].depth for _, nid in kept) == [0, 1]
+
+
+def driver_config_of(**kw):
+  from trace_jax.allocation.driver import DriverConfig
+
+  return DriverConfig(method="trace_tree", **kw)
+
+
+@pytest.mark.slow
+def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
+  from trace_jax import train
+
+  c = _config(tmp_path, tmp_path_factory, rl__ppo_epochs=2, rl__minibatches=2, rl__lr=1e-3,
+              rollout__root_objective="discovery", rollout__anchors="before_tool_call",
+              rollout__metric_slice=2, rollout__calibrate="platt", rl__predictor_slice=True,
+              rl__predictor_holdout=0.25, rl__predictor_ensemble=3, rl__tree_values="children")
+  run = train.build(c)
+  assert run.driver.cfg.count_slice
+  state = train.init_state(run)
+  sample, rec = train.sample_step(run, state)
+  assert run.driver.predict_spread is not None
+  assert rec["slice_counted"] == 1.0 and rec["slice_rollouts_started"] > 0
+  # The ledger holds the slice: stage 1 + stage 2 + the slice's rollouts.
+  assert rec["ledger_rollouts_started"] > c.rollout.root_budget
+  assert "root_concentration_mean" in rec and "stage1_posterior_mixed" in rec
+  state, rec = train.update_step(run, state, sample, rec)
+  assert rec["optimizer_steps"] == 4.0
+  assert np.isfinite(rec["loss"]) and rec["finite"] == 1.0
+  # After the first update the policy has moved off the sampler's: the ratio is no longer 1.
+  assert rec["approx_kl_last"] > rec["approx_kl_first"] >= 0.0
+  assert rec["predictor_fit_members"] == 3
+  # The fit held out the prompts whose hash falls in the share (the smoke step has a few).
+  from trace_jax.allocation.predictor_fit import held_out
+  held = [t for t in sample.all_trees + sample.slice_trees if held_out(t.prompt_ids, 0.25)]
+  assert (rec.get("predictor_fit_holdout_rows", 0) > 0) == bool(held)
