@@ -108,8 +108,24 @@ def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
   assert np.isfinite(rec["loss"]) and rec["finite"] == 1.0
   # After the first update the policy has moved off the sampler's: the ratio is no longer 1.
   assert rec["approx_kl_last"] > rec["approx_kl_first"] >= 0.0
-  assert rec["predictor_fit_members"] == 3
+  assert rec["predictor_fit_members"] == 3 and rec["predictor_fit_rows"] > 0
   # The fit held out the prompts whose hash falls in the share (the smoke step has a few).
   from trace_jax.allocation.predictor_fit import held_out
   held = [t for t in sample.all_trees + sample.slice_trees if held_out(t.prompt_ids, 0.25)]
   assert (rec.get("predictor_fit_holdout_rows", 0) > 0) == bool(held)
+
+
+@pytest.mark.slow
+def test_only_methods_that_read_the_predictor_pay_for_its_extra_fit(tmp_path, tmp_path_factory):
+  from trace_jax import train
+
+  c = _config(tmp_path, tmp_path_factory, method="grpo")
+  run = train.build(c)
+  assert not run.driver.strategy.reads_predictor
+  state = train.init_state(run)
+  sample, rec = train.sample_step(run, state)
+  fits = []
+  run.fitter.fit = lambda *a, **k: fits.append(1)  # would be the extra fit
+  state, rec = train.update_step(run, state, sample, rec)
+  assert not fits and "predictor_fit_rows" not in rec
+  assert np.isfinite(rec["predictor_bce"])  # the joint update still trains the head

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 30's arms: each estimate fix alone, then together, on the default and low-contrast regimes
 # (3 seeds, 12 steps, the tiny variant's shared warm start), one `launch/compare.py` invocation per
-# arm. Resumable: a finished run is skipped. The baseline (tree_values=leaves, everything else as
+# arm. Resumable: a finished run is skipped. `discovery` reads κ from the head ensemble's spread
+# (item 3 needs item 2's uncertainty; its prompts' κ differ only with an ensemble). The baseline (tree_values=leaves, everything else as
 # before the issue) is the archived campaign `results/compare_m2_default` (default regime) and
 # `results/compare_lc_m2` (low contrast), checked to reproduce by the `baseline_check` arm.
 #   bash projects/mhqa/estimates_campaign.sh [arm ...]      (default: every arm, in this order)
@@ -29,7 +30,7 @@ run_arm() {
                  --set=rl.predictor_slice=true --set=rl.predictor_holdout=0.2 \
                  --set=rl.predictor_ensemble=4 ;;
     discovery) arm discovery "${OLD[@]}" --methods=trace_tree --budgets=rollouts \
-                 --set=rollout.root_objective=discovery ;;
+                 --set=rollout.root_objective=discovery --set=rl.predictor_ensemble=4 ;;
     anchors) arm anchors "${OLD[@]}" --methods=trace_tree --regimes=low_contrast \
                --budgets=tokens --set=rollout.anchors=before_tool_call ;;
     together) arm together --methods=trace_tree,grpo --budgets=rollouts \
@@ -42,5 +43,5 @@ run_arm() {
 }
 
 ARMS=("$@")
-[ ${#ARMS[@]} -eq 0 ] && ARMS=(baseline_check children ppo_sweep predictor discovery anchors together)
+[ ${#ARMS[@]} -eq 0 ] && ARMS=(baseline_check children predictor discovery together ppo_sweep anchors)
 for a in "${ARMS[@]}"; do run_arm "$a" || echo "arm $a failed (exit $?)"; done
