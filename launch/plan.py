@@ -37,16 +37,18 @@ _OUT = flags.DEFINE_string("out", None, "also write the report (markdown) here")
 _HEADROOM = 0.9  # a plan fits a device when its peak is within 90% of the device's memory
 
 
-def _rows(train_rows: int, micro: int, dp: int) -> int:
-  """The packed batch's rows as the train loop pads them (`train.update_rows`): a multiple of
-  micro_batches x data x fsdp, the padding rows counted at full cost."""
-  return padded_rows(train_rows, micro, dp)
+def _rows(train_rows: int, micro: int, dp: int, minibatches: int = 1) -> int:
+  """The rows one compiled update sees, as the train loop pads them (`train.update_rows`): the
+  packed batch is a multiple of micro_batches x minibatches x data x fsdp, padding rows counted
+  at full cost, and each of `rl.minibatches` optimizer steps takes 1 / minibatches of it."""
+  return padded_rows(train_rows, micro * minibatches, dp) // minibatches
 
 
 def _settings(c, **over) -> dict:
   s = dict(num_pages=c.rollout.num_pages, page_size=c.rollout.page_size,
            num_slots=c.rollout.num_slots, seq_len=c.env.max_seq_len,
            train_rows=c.rl.train_rows, micro_batches=c.rl.micro_batches, remat=c.rl.remat,
+           minibatches=c.rl.minibatches,
            kl_coef=c.rl.kl_coef, preds_per_row=3 * (c.env.max_turns + 2),
            predictor_hidden=c.model.predictor_hidden, kv_pool=_KV_POOL.value)
   s.update(over)
@@ -57,7 +59,8 @@ def _plan(cfg, mesh: str, s: dict):
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
   return plan_memory(cfg, mesh, num_pages=s["num_pages"], page_size=s["page_size"],
-                     seq_len=s["seq_len"], rows=_rows(s["train_rows"], s["micro_batches"], dp),
+                     seq_len=s["seq_len"], rows=_rows(s["train_rows"], s["micro_batches"], dp,
+                                                   s.get("minibatches", 1)),
                      micro_batches=s["micro_batches"], num_slots=s["num_slots"],
                      remat=s["remat"], kl_coef=s["kl_coef"], kv_pool=s["kv_pool"],
                      preds_per_row=s["preds_per_row"], predictor_hidden=s["predictor_hidden"])
@@ -130,7 +133,7 @@ def _rows_and_trees(c, mesh: str, s: dict) -> str:
   from trace_jax.train import largest_tree
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
-  rows = _rows(s["train_rows"], s["micro_batches"], dp)
+  rows = _rows(s["train_rows"], s["micro_batches"], dp, s.get("minibatches", 1))
   from trace_jax.sampling.paged_kv import tree_pages
   shards = dp if s["kv_pool"] == "sharded" else 1
   need, per_shard = tree_pages(largest_tree(c), s["seq_len"], s["page_size"], s["num_pages"],
