@@ -208,6 +208,10 @@ def validate(c: TrainConfig) -> None:
   _positive(c, "rollout.root_concentration")
   _at_least(c, "rollout.discovery_beta", 0)
   _choice(c, "rollout.anchors", ("all", "before_tool_call"))
+  _choice(c, "rollout.stage2", ("batch", "stream"))
+  if c.rollout.stage2 == "stream" and c.rollout.budget_unit != "rollouts":
+    raise ValueError("rollout.stage2=stream needs rollout.budget_unit=rollouts (a token budget is "
+                     "priced by the whole step's rollout lengths, known only when stage 1 ends)")
   _choice(c, "model.dtype", ("float32", "bfloat16", "float16"))
   _choice(c, "model.param_dtype", ("float32", "bfloat16", "float16"))
   for k in ("hidden_size", "num_layers", "intermediate_size", "predictor_hidden"):

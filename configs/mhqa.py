@@ -135,6 +135,8 @@ def _base():
   c.rollout.root_concentration = 8.0
   c.rollout.discovery_beta = 0.5
   c.rollout.anchors = "all"       # all | before_tool_call (stage-2 anchors only before a tool call)
+  c.rollout.stage2 = "batch"      # batch | stream: a tree's continuations start when its own
+  #                                 stage-1 rollouts end, in the slots stage 1's tail leaves idle
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 30

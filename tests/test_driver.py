@@ -58,22 +58,25 @@ _CACHE = {}
 
 @pytest.fixture
 def sampled(engine, request):
-  """(method, use_predictor) -> (StepSample, stage-1 root counts), sampled once per module."""
-  method, use_pred = request.param
-  if (method, use_pred) not in _CACHE:
-    driver = RolloutDriver(engine, DriverConfig(method=method, **CFG), predict, prompt_features,
-                           seed=0)
+  """(method, use_predictor[, stage2]) -> StepSample, sampled once per module."""
+  method, use_pred, *mode = request.param
+  stage2 = mode[0] if mode else "batch"
+  if request.param not in _CACHE:
+    driver = RolloutDriver(engine, DriverConfig(method=method, stage2=stage2, **CFG), predict,
+                           prompt_features, seed=0)
     examples = [dict(prompt_ids=p, answers=["x"], id=str(i), method=method)
                 for i, p in enumerate(PROMPTS)]
     s = driver.sample(examples, use_predictor=use_pred)
     engine.release(s.all_trees)
-    _CACHE[(method, use_pred)] = s
-  return _CACHE[(method, use_pred)]
+    _CACHE[request.param] = s
+  return _CACHE[request.param]
 
 
 CASES = [(m, u) for m in strategies.names() for u in (True, False)
          if u or strategies.get(m).reads_predictor]
 TWO_STAGE = [c for c in CASES if c[0] != "dapo"]
+# Stage 2 streamed into stage 1's tail: every method with a stage 2.
+STREAM = [(m, u, "stream") for m, u in TWO_STAGE if strategies.get(m).has_stage2()]
 
 
 def _root_counts(trees):
@@ -88,7 +91,7 @@ def _extra_branches(trees):
       sum(len(t.root.children) - t.meta["stage1_rollouts"] for t in trees)
 
 
-@pytest.mark.parametrize("sampled", TWO_STAGE, indirect=True, ids=str)
+@pytest.mark.parametrize("sampled", TWO_STAGE + STREAM, indirect=True, ids=str)
 def test_equal_budget_and_fork_sites(sampled):
   s, info = sampled, sampled.info
   trees = s.trees
@@ -97,7 +100,11 @@ def test_equal_budget_and_fork_sites(sampled):
   # The measured slice (predicted roots) is sampled outside the budget: the ledger leaves it out.
   assert info["ledger_rollouts_started"] == roots + extra
   assert info["continuations"] == extra
-  assert info["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET, (roots, extra, info)
+  # Streamed, a group of trees that cannot use its share leaves it unspent (reported); the
+  # budget is never exceeded.
+  unspent = info.get("stage2_unspent", 0)
+  assert 0 <= unspent <= PREFIX_BUDGET
+  assert info["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET - unspent, (roots, info)
   # Forks happen only at anchors: never at leaves; a turn that an earlier rollout continued past,
   # or the root of a tree whose stage-1 leaves all agree (predicted strategies only).
   for t in trees:
@@ -132,9 +139,9 @@ def test_root_counts(sampled, request):
     assert max(m) - min(m) <= 1, m
 
 
-@pytest.mark.parametrize("sampled", TWO_STAGE, indirect=True, ids=str)
+@pytest.mark.parametrize("sampled", TWO_STAGE + STREAM, indirect=True, ids=str)
 def test_predictions_and_p_hat(sampled, request):
-  method, use_pred = request.node.callspec.params["sampled"]
+  method, use_pred, *_ = request.node.callspec.params["sampled"]
   trees, preds = sampled.trees, sampled.predictions
   predicted_roots = strategies.get(method).reads_predictor
   predicted_prefixes = method in ("trace", "trace_tree")  # stage 2 reads p̂ at the anchors
@@ -190,6 +197,46 @@ def test_dapo_keeps_mixed_groups_and_charges_dropped(sampled):
   total = sum(len(t.leaves()) for t in s.all_trees)
   assert info["ledger_rollouts_started"] == total == ROOT_BUDGET + PREFIX_BUDGET
   assert s.predictions == []
+
+
+@pytest.mark.parametrize("method", [m for m, u, _ in STREAM if u])
+def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, method):
+  from trace_jax.allocation.driver import _Stage2
+
+  driver = RolloutDriver(engine, DriverConfig(method=method, stage2="stream", **CFG), predict,
+                         prompt_features, seed=0)
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  plan = driver.root_plan(examples)
+  reqs = driver._root_requests(examples, plan)
+  for i, r in enumerate(reqs):
+    r.meta = dict(r.meta, stage1_index=i)
+  trees = engine.run(reqs)
+  try:
+    driver.rng = np.random.default_rng(3)
+    cands = driver.candidates(trees)
+    batch, _ = driver.prefix_counts(trees, cands)
+    at_once = _Stage2(driver, True, len(trees))
+    driver.rng = np.random.default_rng(3)
+    at_once.on_done(list(reversed(trees)))  # any order within one call
+    assert at_once.cands == list(cands)
+    np.testing.assert_array_equal(at_once.conts, batch)
+    assert at_once.shares == [PREFIX_BUDGET] and at_once.left == PREFIX_BUDGET - batch.sum()
+    # One tree at a time, in every order: each group gets at most its share of what is left,
+    # and the continuations never exceed the budget.
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+      one = _Stage2(driver, True, len(trees))
+      for i in order:
+        left = one.left
+        one.on_done([trees[i]])
+        undecided = len(trees) - one.decided + 1
+        share = left if one.decided == len(trees) else left // undecided
+        assert one.shares[-1] == share
+        assert left - one.left <= share
+      assert sum(one.conts) <= PREFIX_BUDGET and one.left >= 0
+      assert sorted(one.cands) == sorted(cands)  # the same anchors, decided group by group
+      assert one.on_done([trees[0]]) == []  # a tree is decided once
+  finally:
+    engine.release(trees)
 
 
 def test_outcomes_are_mixed_somewhere():
@@ -540,3 +587,11 @@ def test_platt_calibration_from_the_slice_changes_the_selection(engine):
   assert s.info["calib_a"] < 0.5 and s.info["calib_b"] < -1.0
   # The slice keeps recording raw p̂ (what the next fit needs), not the calibrated one.
   assert {round(x[1], 3) for x in driver._slice_log[-1]} <= {round(easy, 3), 0.5}
+
+
+@pytest.mark.parametrize("sampled", STREAM, indirect=True, ids=str)
+def test_streamed_steps_decided_group_by_group(sampled):
+  """The stream cases ran streamed; the trees finished apart, so stage 2 was decided in more than
+  one group (the test engine's three trees end at different decode steps)."""
+  assert sampled.info["stage2_streamed"] == 1.0
+  assert 1 < sampled.info["stage2_decisions"] <= len(PROMPTS), sampled.info["stage2_decisions"]

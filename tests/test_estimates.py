@@ -1,6 +1,7 @@
 """The estimates' options end to end on the smoke run's warm start: PPO epochs and minibatches,
 the posterior and discovery root objectives, anchors before a tool call, the slice counted in the
-ledger when it steers, and the head fit on the slice with a holdout and an ensemble."""
+ledger when it steers, and the head fit on the slice with a holdout and an ensemble (with stage 2
+streamed, so the options are checked together)."""
 
 import os
 
@@ -93,7 +94,8 @@ def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
   c = _config(tmp_path, tmp_path_factory, rl__ppo_epochs=2, rl__minibatches=2, rl__lr=1e-3,
               rollout__root_objective="discovery", rollout__anchors="before_tool_call",
               rollout__metric_slice=2, rollout__calibrate="platt", rl__predictor_slice=True,
-              rl__predictor_holdout=0.25, rl__predictor_ensemble=3, rl__tree_values="children")
+              rl__predictor_holdout=0.25, rl__predictor_ensemble=3, rl__tree_values="children",
+              rollout__stage2="stream")
   run = train.build(c)
   assert run.driver.cfg.count_slice
   state = train.init_state(run)
@@ -103,6 +105,7 @@ def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
   # The ledger holds the slice: stage 1 + stage 2 + the slice's rollouts.
   assert rec["ledger_rollouts_started"] > c.rollout.root_budget
   assert "root_concentration_mean" in rec and "stage1_posterior_mixed" in rec
+  assert rec["stage2_streamed"] == 1.0 and rec["stage2_decisions"] >= 1
   state, rec = train.update_step(run, state, sample, rec)
   assert rec["optimizer_steps"] == 4.0
   assert np.isfinite(rec["loss"]) and rec["finite"] == 1.0

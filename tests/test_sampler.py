@@ -287,3 +287,36 @@ def test_check_tree_fits_names_the_pages_needed(model):
   with pytest.raises(ValueError, match=r"3 rollouts x 24 pages .* needs 72 pages .* holds 63 "
                                        r"\(num_pages 64\); raise num_pages to at least 73"):
     eng.check_tree_fits(3)
+
+
+def test_on_trees_done_streams_a_second_stage_into_the_same_run(model):
+  """Forks requested by the callback run in the same `run` and give the same trees as two runs
+  (greedy sampling: a branch's tokens do not depend on when it runs); the callback hears of each
+  tree once per wave of its rollouts, in the order the trees went idle."""
+  reference = leaf_sequences(two_stage(make_engine(model)))
+  engine = make_engine(model)
+  heard = []
+
+  def on_done(trees):
+    heard.append([t.uid for t in trees])
+    first = [t for t in trees if sum(u == t.uid for w in heard for u in w) == 1]
+    return [ForkRequest(t, a.id, 2) for t in first for a in t.anchors() if a.depth in (0, 1, 2)]
+
+  trees = engine.run([PromptRequest(p, n=2) for p in PROMPTS], on_trees_done=on_done)
+  assert leaf_sequences(trees) == reference
+  counts = {t.uid: sum(u == t.uid for w in heard for u in w) for t in trees}
+  assert all(c == 2 for c in counts.values()), counts  # after stage 1, after its forks
+  assert len(heard) > 1  # not all at once
+  assert all(st.outstanding == 0 for st in engine._trees.values())
+  engine.release(trees)
+  # A callback that raises stops the run and leaves no page held by a slot.
+  engine = make_engine(model)
+
+  def boom(trees):
+    raise RuntimeError("callback failed")
+
+  with pytest.raises(RuntimeError, match="callback failed"):
+    engine.run([PromptRequest(p, n=2) for p in PROMPTS], on_trees_done=boom)
+  assert all(b is None for b in engine.slots)
+  engine.release()
+  assert engine.alloc.num_free == engine.alloc.capacity and not engine.alloc.refcount.any()

@@ -118,6 +118,7 @@ class RolloutSection:
   root_concentration: float
   discovery_beta: float
   anchors: str
+  stage2: str
 
 
 @dataclasses.dataclass(frozen=True)

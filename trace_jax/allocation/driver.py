@@ -49,6 +49,7 @@ class DriverConfig:
   calibrate: str = "none"         # none | platt: stage 1 uses p̂ recalibrated on the random slice's
   calibrate_window: int = 8       # outcomes of the last this many steps (needs metric_slice > 0),
   calibrate_prior: float = 10.0   # with the identity map worth this many pairs
+  stage2: str = "batch"           # batch | stream (per tree as its stage 1 ends; rollouts budget)
   root_objective: str = "paper"   # paper | posterior | discovery (`allocators.root_value_table`)
   root_concentration: float = 8.0  # κ of p ~ Beta(κ p̂, κ (1 - p̂)) without a head ensemble
   discovery_beta: float = 0.5     # discovery: weight of the information gain (nats)
@@ -141,45 +142,48 @@ class RolloutDriver:
 
   # ---- one step ----------------------------------------------------------------------------------
   def sample(self, examples: list[dict], use_predictor: bool = True) -> StepSample:
-    """Samples one step: stage 1 (the root plan), stage 2 (continuations from the chosen anchors,
-    sharing one engine run with the random slice that measures p̂), value backup, the strategy's
-    choice of trees to train on, and the step's record (`StepSample.info`)."""
+    """Samples one step: stage 1 (the root plan), stage 2 (continuations from the chosen anchors;
+    with `stage2="stream"` decided per tree as its stage-1 rollouts finish, in the same engine
+    run), the random slice that measures p̂, value backup, the strategy's choice of trees to train
+    on, and the step's record (`StepSample.info`)."""
     ledger_before = dict(self.engine.ledger.as_dict())
     plan = self.root_plan(examples, use_predictor)
     counts = plan.counts
-    trees = self._sample_roots(examples, plan)
     predictive = plan.p_hat is not None and use_predictor
+    if self.streams():
+      trees, stage1, s2 = self._sample_streamed(examples, plan, use_predictor)
+      slice_trees, slice_p = s2.slice_trees, s2.slice_p
+    else:
+      trees = self._sample_roots(examples, plan)
+      stage1 = [_Stage1View.of(t) for t in trees]
+      s2 = _Stage2()
+      s2.decide(self, trees, range(len(trees)), use_predictor, self.cfg.prefix_budget)
+      slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
+      slice_trees = []
+      if s2.forks or slice_reqs:
+        # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its
+        # cost is taken out of this step's ledger below (unless it steers the run).
+        out = self.engine.run(s2.forks + slice_reqs)
+        slice_trees = out[len(out) - len(slice_reqs):] if slice_reqs else []
     predictions = []
     if predictive:
-      for tree, p in zip(trees, plan.p_hat[counts > 0]):
+      for tree, view, p in zip(trees, stage1, plan.p_hat[counts > 0]):
         tree.root.p_hat = float(p)
-        predictions += [("root", float(p), float(leaf.reward or 0.0)) for leaf in tree.leaves()]
-    info = _stage1_info(trees, plan, len(examples), predictive)
-
-    cands = self.candidates(trees)
-    conts, p_anchor = self.prefix_counts(trees, cands, use_predictor)
-    info.update(_stage2_info(trees, cands, conts))
-    forks, children_before = [], {}
-    for j, ((ti, nid), k) in enumerate(zip(cands, conts)):
-      if p_anchor is not None and nid != 0:  # the root keeps its stage-1 p̂
-        trees[ti].nodes[nid].p_hat = float(p_anchor[j])
-      if k > 0:
-        children_before[(ti, nid)] = set(trees[ti].nodes[nid].children)
-        forks.append(ForkRequest(trees[ti], nid, int(k)))
-    slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
-    slice_trees = []
-    if forks or slice_reqs:
-      # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its cost is
-      # taken out of this step's ledger below.
-      out = self.engine.run(forks + slice_reqs)
-      slice_trees = out[len(out) - len(slice_reqs):] if slice_reqs else []
-    if p_anchor is not None and use_predictor:
+        predictions += [("root", float(p), float(leaf.reward or 0.0)) for leaf in view.leaves()]
+    info = _stage1_info(stage1, plan, len(examples), predictive)
+    cands, conts = s2.cands, np.asarray(s2.conts, np.int32)
+    info.update(_stage2_info(trees, cands, conts, [not v.mixed for v in stage1]))
+    if self.cfg.stage2 == "stream":
+      info.update(stage2_streamed=float(self.streams()), stage2_decisions=len(s2.shares),
+                  stage2_unspent=int(self.cfg.prefix_budget - conts.sum())
+                  if self.streams() else 0)
+    if s2.read_estimates and use_predictor:
       for j, (ti, nid) in enumerate(cands):
-        if (ti, nid) in children_before:
+        if (ti, nid) in s2.children_before:
           tree = trees[ti]
           stage = "root_anchor" if nid == 0 else "prefix"
-          for ch in set(tree.nodes[nid].children) - children_before[(ti, nid)]:
-            predictions += [(stage, float(p_anchor[j]), float(leaf.reward or 0.0))
+          for ch in set(tree.nodes[nid].children) - s2.children_before[(ti, nid)]:
+            predictions += [(stage, float(s2.p_anchor[j]), float(leaf.reward or 0.0))
                             for leaf in _leaves_under(tree, ch)]
     for tree in trees:
       tree.backup()
@@ -201,18 +205,56 @@ class RolloutDriver:
     return StepSample(trees=kept, all_trees=trees, predictions=predictions, info=info,
                       slice_predictions=slice_preds, slice_trees=slice_trees)
 
+  def streams(self) -> bool:
+    """Whether this step streams stage 2 (`stage2="stream"`): the method has a stage 2 and a
+    budget for it, counted in rollouts, on an engine that takes a per-tree callback."""
+    c = self.cfg
+    return (c.stage2 == "stream" and self.strategy.has_stage2() and c.prefix_budget > 0
+            and c.budget_unit == "rollouts" and isinstance(self.engine, SamplerEngine))
+
+  def _sample_streamed(self, examples, plan, use_predictor):
+    """Stage 1, stage 2 and the slice in one engine run: each time some stage-1 trees finish,
+    they receive their share of the stage-2 budget left (`_Stage2.on_done`) and their
+    continuations start at once, in the slots the tail of stage 1 leaves idle."""
+    reqs = self._root_requests(examples, plan)
+    for i, r in enumerate(reqs):  # lets the callback place each tree among the requests
+      r.meta = dict(r.meta, stage1_index=i)
+    n = len(reqs)
+    slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
+    s2 = _Stage2(self, use_predictor, n)
+    out = self.engine.run(reqs + slice_reqs, on_trees_done=s2.on_done)
+    trees = out[:n]
+    stage1 = [s2.views[t.uid] for t in trees]
+    self._mark_roots(trees, plan, stage1)
+    s2.slice_trees, s2.slice_p = out[n:], slice_p
+    # Decisions were made per group of trees; the record lists them by tree order, like batch.
+    order = sorted(range(len(s2.cands)), key=lambda j: (s2.cands[j][0], j))
+    s2.cands = [s2.cands[j] for j in order]
+    s2.conts = [s2.conts[j] for j in order]
+    if s2.read_estimates:
+      s2.p_anchor = [s2.p_anchor[j] for j in order]
+    return trees, stage1, s2
+
+  def _root_requests(self, examples, plan) -> list[PromptRequest]:
+    return [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, plan.counts)
+            if k > 0]
+
   def _sample_roots(self, examples, plan) -> list[Tree]:
     """Stage 1's rollouts; each tree records how many it got and whether a forced slot took it."""
+    trees = self.engine.run(self._root_requests(examples, plan))
+    self._mark_roots(trees, plan)
+    return trees
+
+  def _mark_roots(self, trees, plan, stage1=None) -> None:
+    """Each tree's stage-1 rollout count (`stage1`: views taken when stage 1 ended; else its
+    leaves now) and whether a forced slot took it."""
     counts = plan.counts
-    reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, counts)
-            if k > 0]
-    trees = self.engine.run(reqs)
-    for tree, i in zip(trees, np.flatnonzero(counts > 0)):  # i: the tree's pool index
-      tree.meta["stage1_rollouts"] = len(tree.leaves())  # stage 2 may add more at the root
+    for j, (tree, i) in enumerate(zip(trees, np.flatnonzero(counts > 0))):  # i: pool index
+      leaves = stage1[j].leaves() if stage1 is not None else tree.leaves()
+      tree.meta["stage1_rollouts"] = len(leaves)  # stage 2 may add more at the root
       for kind, idx in plan.slots.items():
         if len(idx):
           tree.meta[kind] = bool(np.isin(i, idx))
-    return trees
 
   # ---- online predictor metrics on a random slice of the pool ------------------------------------
   def _slice_requests(self, examples, p_root, use_predictor):
@@ -253,6 +295,91 @@ class RolloutDriver:
     return preds, info
 
 
+@dataclasses.dataclass
+class _Stage1View:
+  """A tree as stage 1 left it (its leaves then, and whether they were mixed): what the step's
+  record and the root predictions read once stage 2 has grown the tree."""
+  mixed: bool
+  leaf_nodes: list
+
+  @classmethod
+  def of(cls, tree: Tree) -> "_Stage1View":
+    return cls(bool(tree.mixed), list(tree.leaves()))
+
+  def leaves(self):
+    return self.leaf_nodes
+
+
+class _Stage2:
+  """Stage 2's decisions for one step, batch or streamed.
+
+  Batch: one `decide` over every stage-1 tree with the whole budget. Streamed: `on_done` (the
+  engine's `on_trees_done`) decides for each group of stage-1 trees as it finishes. The group gets
+  the budget left times its share of the trees still undecided, |group| / (trees - decided), and
+  the last group everything left, so the continuations never exceed `prefix_budget`, and when
+  every tree finishes at once the single decision is exactly the batch one. The strategy decides
+  within the group (`prefix_counts` on its trees, with the group's budget), so its own rule and
+  estimates apply unchanged; what the stream gives up is moving budget between groups (a rich
+  group cannot borrow from a later poor one), which `stage2_unspent` and the bench measure.
+  """
+
+  def __init__(self, driver=None, use_predictor: bool = True, num_trees: int = 0):
+    self.driver, self.use_predictor, self.num_trees = driver, use_predictor, num_trees
+    self.left = driver.cfg.prefix_budget if driver is not None else 0
+    self.decided = 0
+    self.index: dict[int, int] = {}   # tree uid -> its index among the stage-1 requests
+    self.views: dict[int, _Stage1View] = {}
+    self.cands, self.conts, self.p_anchor = [], [], []
+    self.read_estimates = False
+    self.children_before: dict[tuple[int, int], set] = {}
+    self.forks: list[ForkRequest] = []
+    self.shares: list[int] = []
+    self.slice_trees, self.slice_p = [], []
+
+  def decide(self, driver, trees, indices, use_predictor: bool, budget: int) -> list:
+    """Continuations for `trees` (stage-1 tree indices `indices`) within `budget` rollouts:
+    records the candidates, counts and estimates, sets each anchor's p̂ and returns the forks."""
+    strategy = driver.strategy
+    if budget != driver.cfg.prefix_budget:
+      strategy = type(strategy)(dataclasses.replace(driver.cfg, prefix_budget=int(budget)))
+    cands = strategy.candidates(trees)
+    conts, p_anchor = strategy.prefix_counts(driver, trees, cands, use_predictor)
+    conts = np.asarray(conts, np.int32)
+    forks = []
+    for j, ((ti, nid), k) in enumerate(zip(cands, conts)):
+      if p_anchor is not None and nid != 0:  # the root keeps its stage-1 p̂
+        trees[ti].nodes[nid].p_hat = float(p_anchor[j])
+      gi = indices[ti]
+      if k > 0:
+        self.children_before[(gi, nid)] = set(trees[ti].nodes[nid].children)
+        forks.append(ForkRequest(trees[ti], nid, int(k)))
+      self.cands.append((gi, nid))
+      self.conts.append(int(k))
+      self.p_anchor.append(float(p_anchor[j]) if p_anchor is not None else float("nan"))
+    self.read_estimates = self.read_estimates or p_anchor is not None
+    self.shares.append(int(budget))
+    self.forks += forks
+    return forks
+
+  def on_done(self, idle_trees) -> list:
+    """The engine's callback: decides for the stage-1 trees among `idle_trees` (others, slice
+    trees and trees whose continuations just finished, need nothing) and returns their forks."""
+    new = [t for t in idle_trees if t.uid not in self.views and not t.meta.get("metric_slice")]
+    if not new:
+      return []
+    for t in new:
+      self.index[t.uid] = int(t.meta["stage1_index"])  # the tree's place among the requests
+      self.views[t.uid] = _Stage1View.of(t)
+    new.sort(key=lambda t: self.index[t.uid])
+    undecided = self.num_trees - self.decided
+    self.decided += len(new)
+    share = self.left if self.decided >= self.num_trees else self.left * len(new) // undecided
+    forks = self.decide(self.driver, new, [self.index[t.uid] for t in new], self.use_predictor,
+                        share)
+    self.left -= sum(f.k for f in forks)
+    return forks
+
+
 def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:
   """Stage 1 in the step's record: how mixed its trees came out, how many were all failures or all
   successes, how the rollouts were spread, and (`predictive`: the plan read p̂) what it expected
@@ -285,10 +412,9 @@ def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:
   return info
 
 
-def _stage2_info(trees, cands, conts) -> dict:
-  """Where stage 2 spends: continuations into unmixed trees, at roots, by anchor depth (3 = 3 and
-  deeper), their mean anchor depth."""
-  unmixed = [not t.mixed for t in trees]  # stage-1 state, once per tree
+def _stage2_info(trees, cands, conts, unmixed) -> dict:
+  """Where stage 2 spends: continuations into unmixed trees (`unmixed`: per tree, as stage 1 left
+  it), at roots, by anchor depth (3 = 3 and deeper), their mean anchor depth."""
   depths = [trees[ti].nodes[nid].depth for ti, nid in cands]
   info = dict(candidates=len(cands), anchors_used=int((conts > 0).sum()),
               continuations=int(conts.sum()),

@@ -56,6 +56,7 @@ class TreeState:
   page_refs: the page lists this tree holds one reference each to (every finished branch's, the
     prompt's), freed by `release` or `rollback`.
   branches: branches started so far; the next one's rng stream and `Node.rollout` index.
+  outstanding: branches of the current `run` queued or decoding (0 when the tree is idle).
   worker, shard: the (worker, data shard) queue the tree's branches run on (task affinity; its
     pages live in that shard's range); -1 and None until first placed.
   prompt_mean: f32[D] mean final state over the prompt (`prompt_mean_features`), or None.
@@ -65,6 +66,7 @@ class TreeState:
   kv: dict[int, tuple[list[int], int]] = dataclasses.field(default_factory=dict)
   page_refs: list[list[int]] = dataclasses.field(default_factory=list)
   branches: int = 0
+  outstanding: int = 0
   worker: int = -1
   shard: int | None = None
   prompt_mean: np.ndarray | None = None
@@ -210,6 +212,7 @@ class SamplerEngine:
     self._trees: dict[int, TreeState] = {}  # tree uid -> bookkeeping, admission to release
     self._next_uid = 0
     self._jobs: list = []
+    self._on_trees_done, self._idle = None, []  # `run`'s callback and the trees it has to hear of
     self._pending: dict[int, collections.deque] = {}
     self.slot_worker = np.zeros(cfg.num_slots, np.int32)
     self.slot_shard = (np.arange(cfg.num_slots) * self.shards // cfg.num_slots).astype(np.int32)
@@ -367,8 +370,15 @@ class SamplerEngine:
       del st.kv[k]
 
   def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False,
-          sync_refill: bool = False) -> list[Tree]:
+          sync_refill: bool = False, on_trees_done=None) -> list[Tree]:
     """Samples every request to completion and returns the trees, in request order.
+
+    on_trees_done: optional callback(trees) -> requests. Between decode steps it receives the
+    trees of this run that went idle since the last call (every rollout started for them has
+    finished), in the order they went idle; the requests it returns (forks of live trees) join the
+    run at once, while the other trees are still decoding, and a tree that gets more rollouts is
+    reported again when they finish. This is how a second stage streams into the first one's tail
+    instead of waiting for every tree.
 
     requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
     slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
@@ -384,6 +394,7 @@ class SamplerEngine:
     self.slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
     self._pending = {(int(w), int(d)): collections.deque()
                      for w, d in zip(self.slot_worker, self.slot_shard)}
+    self._on_trees_done, self._idle = on_trees_done, []
     trees = self._admit(requests, num_workers)
     try:
       self._loop(sync_turns, num_workers, sync_refill)
@@ -392,7 +403,9 @@ class SamplerEngine:
         if b is not None:  # only on error: hand the branch's pages to its tree for release
           b.state.page_refs.append(b.pages)
           self.slots[i] = None
-      self._jobs = []
+      for st in self._trees.values():
+        st.outstanding = 0
+      self._jobs, self._on_trees_done, self._idle = [], None, []
     return trees
 
   # ---- admission ---------------------------------------------------------------------------------
@@ -439,6 +452,7 @@ class SamplerEngine:
       st.worker, st.shard = pick
       load[pick] += count
       self._pending[pick].extend([(st, node_id)] * count)
+      st.outstanding += count
       if all(t is not tree for t in trees):
         trees.append(tree)
     if self.cfg.prompt_mean_features:
@@ -449,6 +463,11 @@ class SamplerEngine:
   # ---- main loop ---------------------------------------------------------------------------------
   def _loop(self, sync_turns, num_workers, sync_refill=False):
     while True:
+      if self._idle:  # the caller's next requests for trees that just finished
+        idle, self._idle = self._idle, []
+        more = list(self._on_trees_done(idle) or [])
+        if more:
+          self._admit(more, num_workers)
       if not sync_turns or all(b is None for b in self.slots):
         self._refill()
       self._flush_prefill()
@@ -764,6 +783,9 @@ class SamplerEngine:
       self.alloc.decref(spare)
     b.state.page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
     self.slots[i] = None
+    b.state.outstanding -= 1
+    if b.state.outstanding == 0 and self._on_trees_done is not None:
+      self._idle.append(b.tree)
 
 
 __all__ = ["DEFAULT_STOP_STRINGS", "EnvStep", "ForkRequest", "Ledger", "PromptRequest",
