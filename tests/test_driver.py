@@ -239,6 +239,58 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
     engine.release(trees)
 
 
+@pytest.mark.parametrize("method", ["trace", "trace_tree"])
+def test_value_curve_and_the_price_rule(engine, method):
+  from trace_jax.allocation import allocators
+  from trace_jax.allocation.driver import _Stage2
+
+  driver = RolloutDriver(engine, DriverConfig(method=method, stage2="stream", **CFG), predict,
+                         prompt_features, seed=0)
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  reqs = driver._root_requests(examples, driver.root_plan(examples))
+  for i, r in enumerate(reqs):
+    r.meta = dict(r.meta, stage1_index=i)
+  trees = engine.run(reqs)
+  try:
+    cands = driver.candidates(trees)
+    curve = driver.strategy.value_curve(driver, trees, cands, True, PREFIX_BUDGET)
+    assert curve.shape == (PREFIX_BUDGET + 1,) and curve[0] == 0.0
+    assert (np.diff(curve) >= -1e-6).all()  # more continuations never lower the objective
+    # Its last point is the batch decision's objective.
+    batch, p_hat = driver.prefix_counts(trees, cands)
+    _, outcomes = anchor_estimates(driver, trees, cands, True)
+    valid = np.ones(len(cands), bool)
+    if method == "trace":
+      want = allocators.prefix_objective(p_hat, outcomes, batch, valid)
+    else:
+      want = allocators.tree_aware_objective(
+          p_hat, outcomes, batch, np.asarray([ti for ti, _ in cands]),
+          np.asarray([t.mixed for t in trees]), valid, driver.cfg.tree_lambda)
+    assert curve[-1] == pytest.approx(float(want), abs=1e-5)
+    # With a price, a group (not the last) takes the units its curve values at least that much,
+    # at most max_share fair shares.
+    own = driver.strategy.value_curve(driver, trees[:1], driver.strategy.candidates(trees[:1]),
+                                      True, PREFIX_BUDGET)
+    gains = np.diff(own)
+    for price in (0.0, float(np.median(gains)), float(gains.max()) + 1.0):
+      driver._stage2_prices = [price]
+      one = _Stage2(driver, True, len(trees))
+      one.on_done([trees[0]])
+      below = np.flatnonzero(gains < price)
+      worth = int(below[0]) if below.size else PREFIX_BUDGET
+      cap = int(np.ceil(_Stage2.max_share * PREFIX_BUDGET / len(trees)))
+      assert one.shares == [min(worth, cap)], (price, gains)
+    assert one.price(PREFIX_BUDGET) == pytest.approx(
+        float(np.sort(gains)[::-1][PREFIX_BUDGET - 1]))
+    driver._stage2_prices = [1.0, 2.0, 3.0]
+    assert driver.stage2_price() == 2.0
+    restored = RolloutDriver(engine, driver.cfg, predict, prompt_features)
+    restored.load_state_dict(driver.state_dict())
+    assert restored.stage2_price() == 2.0
+  finally:
+    engine.release(trees)
+
+
 def test_outcomes_are_mixed_somewhere():
   """The stand-in environment must give both outcomes, or the checks above test little."""
   rewards = {float(n.reward) for s in _CACHE.values() for t in s.all_trees for n in t.leaves()}

@@ -95,16 +95,25 @@ class RolloutDriver:
     self.rng = np.random.default_rng(seed)
     self.predict_spread: Callable[[np.ndarray], tuple] | None = None
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
+    self._stage2_prices: list[float] = []  # streamed stage 2: the batch price of recent steps
 
   def state_dict(self) -> dict:
     """What the driver carries from step to step (for a checkpoint): the random slice's
     (stage, raw p̂, outcome) records per step, which the Platt calibration and the running slice
     metrics read."""
-    return {"slice_log": [[list(x) for x in step] for step in self._slice_log]}
+    return {"slice_log": [[list(x) for x in step] for step in self._slice_log],
+            "stage2_prices": list(self._stage2_prices)}
 
   def load_state_dict(self, d: dict) -> None:
     self._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
                           for step in d.get("slice_log", [])]
+    self._stage2_prices[:] = [float(x) for x in d.get("stage2_prices", [])]
+
+  def stage2_price(self, window: int = 4) -> float | None:
+    """The streamed stage 2's price: the median batch price of the last `window` streamed steps
+    (`_Stage2.price`), None before the first."""
+    recent = self._stage2_prices[-window:]
+    return float(np.median(recent)) if recent else None
 
   def concentration(self, features) -> np.ndarray:
     """κ per prompt of stage 1's Beta(κ p̂, κ (1 - p̂)): moment-matched to the head ensemble's
@@ -214,8 +223,9 @@ class RolloutDriver:
 
   def _sample_streamed(self, examples, plan, use_predictor):
     """Stage 1, stage 2 and the slice in one engine run: each time some stage-1 trees finish,
-    they receive their share of the stage-2 budget left (`_Stage2.on_done`) and their
-    continuations start at once, in the slots the tail of stage 1 leaves idle."""
+    they receive their part of the stage-2 budget left (`_Stage2.on_done`) and their
+    continuations start at once, in the slots the tail of stage 1 leaves idle. The step's batch
+    price joins the driver's record for the next steps."""
     reqs = self._root_requests(examples, plan)
     for i, r in enumerate(reqs):  # lets the callback place each tree among the requests
       r.meta = dict(r.meta, stage1_index=i)
@@ -223,6 +233,9 @@ class RolloutDriver:
     slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
     s2 = _Stage2(self, use_predictor, n)
     out = self.engine.run(reqs + slice_reqs, on_trees_done=s2.on_done)
+    price = s2.price(self.cfg.prefix_budget)
+    if price is not None:
+      self._stage2_prices = (self._stage2_prices + [price])[-32:]
     trees = out[:n]
     stage1 = [s2.views[t.uid] for t in trees]
     self._mark_roots(trees, plan, stage1)
@@ -315,13 +328,18 @@ class _Stage2:
 
   Batch: one `decide` over every stage-1 tree with the whole budget. Streamed: `on_done` (the
   engine's `on_trees_done`) decides for each group of stage-1 trees as it finishes. The group gets
-  the budget left times its share of the trees still undecided, |group| / (trees - decided), and
-  the last group everything left, so the continuations never exceed `prefix_budget`, and when
-  every tree finishes at once the single decision is exactly the batch one. The strategy decides
-  within the group (`prefix_counts` on its trees, with the group's budget), so its own rule and
-  estimates apply unchanged; what the stream gives up is moving budget between groups (a rich
-  group cannot borrow from a later poor one), which `stage2_unspent` and the bench measure.
+  as many continuations as are worth the price (the marginal value of the batch allocator's last
+  unit, median over the last steps: `RolloutDriver.stage2_price`), read off the method's value
+  curve on the group's trees (`Strategy.value_curve`); without a price yet (the first step) or an
+  objective (rule-based methods), the budget left times the group's share of the trees still
+  undecided. The last group gets everything left, so the continuations never exceed
+  `prefix_budget` and the budget is spent, and when every tree finishes at once the single
+  decision is exactly the batch one. The strategy decides within the group (`prefix_counts` on
+  its trees, with the group's budget), so its own rule and estimates apply unchanged.
+  `benchmarks/stream_allocation.py` measures the value kept against the batch decision.
   """
+
+  max_share = 2.0  # a priced group takes at most this many fair shares (see `on_done`)
 
   def __init__(self, driver=None, use_predictor: bool = True, num_trees: int = 0):
     self.driver, self.use_predictor, self.num_trees = driver, use_predictor, num_trees
@@ -334,6 +352,7 @@ class _Stage2:
     self.children_before: dict[tuple[int, int], set] = {}
     self.forks: list[ForkRequest] = []
     self.shares: list[int] = []
+    self.gains: list[np.ndarray] = []  # each group's marginal gains (its value curve's steps)
     self.slice_trees, self.slice_p = [], []
 
   def decide(self, driver, trees, indices, use_predictor: bool, budget: int) -> list:
@@ -373,11 +392,34 @@ class _Stage2:
     new.sort(key=lambda t: self.index[t.uid])
     undecided = self.num_trees - self.decided
     self.decided += len(new)
-    share = self.left if self.decided >= self.num_trees else self.left * len(new) // undecided
-    forks = self.decide(self.driver, new, [self.index[t.uid] for t in new], self.use_predictor,
-                        share)
+    d = self.driver
+    curve = d.strategy.value_curve(d, new, d.strategy.candidates(new), self.use_predictor,
+                                   d.cfg.prefix_budget)
+    price = d.stage2_price()
+    if curve is not None:
+      self.gains.append(np.diff(curve))
+    if self.decided >= self.num_trees:  # the last group: everything left
+      share = self.left
+    elif curve is None or price is None:  # no objective, or no price yet: a fair share
+      share = self.left * len(new) // undecided
+    else:  # the units worth at least what the batch allocator's last unit was worth lately,
+      below = np.flatnonzero(np.diff(curve) < price)  # at most `max_share` fair shares
+      fair = self.left * len(new) / undecided
+      share = min(self.left, int(below[0]) if below.size else len(curve) - 1,
+                  int(np.ceil(self.max_share * fair)))
+    forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share)
     self.left -= sum(f.k for f in forks)
     return forks
+
+  def price(self, budget: int) -> float | None:
+    """This step's batch price: the marginal value of the batch allocator's last unit, i.e. the
+    budget-th largest marginal gain over every group's curve (the groups hold disjoint trees and
+    the objectives add over trees, so the batch greedy's picks are the top ones of the union).
+    0 when fewer units than the budget had any value; None without curves."""
+    if not self.gains:
+      return None
+    g = np.sort(np.concatenate(self.gains))[::-1]
+    return float(g[budget - 1]) if len(g) >= budget and budget > 0 else 0.0
 
 
 def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:

@@ -144,6 +144,12 @@ class Strategy:
     n_cont = prefix_budget(self.cfg, trees, cands).continuations
     return self.spread(driver, trees, cands, n_cont), None
 
+  def value_curve(self, driver, trees, cands, use_predictor: bool, max_units: int):
+    """f32[max_units + 1]: the method's stage-2 objective when it spends b = 0..max_units
+    rollouts on these trees, or None for a rule with no objective (the default). A streamed stage
+    2 reads its increments as the marginal value of each further continuation."""
+    return None
+
   def spread(self, driver, trees, cands, n_cont: int) -> np.ndarray:
     """A baseline's stage-2 rule: `n_cont` continuations over the candidates, i32[H]."""
     raise NotImplementedError

@@ -41,6 +41,25 @@ class _PredictedPrefixes(PredictedRoots):
     return np.asarray(k)[:h], p_hat
 
 
+  def value_curve(self, driver, trees, cands, use_predictor, max_units):
+    """The objective of the greedy allocation at every budget 0..max_units (rollouts), all
+    budgets in one vmapped call: the greedy's b-th pick is its best b-th unit, so the increments
+    are its marginal gains. None under a token budget (its units are not rollouts)."""
+    c, h = self.cfg, len(cands)
+    if c.budget_unit != "rollouts":
+      return None
+    if h == 0:
+      return np.zeros(int(max_units) + 1, np.float32)
+    p_hat, outcomes = anchor_estimates(driver, trees, cands, use_predictor)
+    hp = -(-h // _ANCHOR_BUCKET) * _ANCHOR_BUCKET
+    tree_ids = pad_to(np.asarray([ti for ti, _ in cands], np.int32), hp, 0)
+    mixed = np.zeros(-(-len(trees) // _TREE_BUCKET) * _TREE_BUCKET, bool)
+    mixed[:len(trees)] = [t.mixed for t in trees]
+    fn = _curve(self.name, c.max_per_anchor, c.tree_lambda, int(max_units))
+    return np.asarray(fn(pad_to(p_hat, hp, 0.5), pad_to(outcomes, hp, 0.0), tree_ids, mixed,
+                         pad_to(np.ones(h, bool), hp, False)), np.float32)
+
+
 @register
 class Trace(_PredictedPrefixes):
   name = "trace"
@@ -48,6 +67,7 @@ class Trace(_PredictedPrefixes):
   def _allocate(self, trees, cands, args, spend, valid, hp, cost_aware):
     c = self.cfg
     return _alloc_prefixes(c.max_per_anchor, c.budget_unit, cost_aware)(*args, spend, valid)
+
 
 
 @register
@@ -73,3 +93,20 @@ def _alloc_prefixes(max_per_anchor, budget_unit, cost_aware):
 def _alloc_tree_aware(max_per_anchor, budget_unit, lam, cost_aware):
   return jax.jit(lambda p, o, c, t, m, b, v: allocators.allocate_prefixes_tree_aware(
       p, o, c, t, m, b, v, max_per_anchor, lam, budget_unit=budget_unit, cost_aware=cost_aware))
+
+
+@functools.lru_cache(maxsize=None)
+def _curve(name, max_per_anchor, lam, max_units):
+  """Jitted objective of the greedy allocation at budgets 0..max_units (rollouts), f32[B + 1]."""
+  import jax.numpy as jnp
+
+  def one(p, o, t, m, valid, b):
+    cost = jnp.ones_like(p)
+    if name == "trace":
+      k = allocators.allocate_prefixes(p, o, cost, b, valid, max_per_anchor)
+      return allocators.prefix_objective(p, o, k, valid)
+    k = allocators.allocate_prefixes_tree_aware(p, o, cost, t, m, b, valid, max_per_anchor, lam)
+    return allocators.tree_aware_objective(p, o, k, t, m, valid, lam)
+
+  budgets = jnp.arange(max_units + 1)
+  return jax.jit(lambda p, o, t, m, v: jax.vmap(lambda b: one(p, o, t, m, v, b))(budgets))
