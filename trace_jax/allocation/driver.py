@@ -184,6 +184,7 @@ class RolloutDriver:
     info.update(_stage2_info(trees, cands, conts, [not v.mixed for v in stage1]))
     if self.cfg.stage2 == "stream":
       info.update(stage2_streamed=float(self.streams()), stage2_decisions=len(s2.shares),
+                  stage2_last_share=s2.shares[-1] if s2.shares else 0,
                   stage2_unspent=int(self.cfg.prefix_budget - conts.sum())
                   if self.streams() else 0)
     if s2.read_estimates and use_predictor:
@@ -224,15 +225,18 @@ class RolloutDriver:
   def _sample_streamed(self, examples, plan, use_predictor):
     """Stage 1, stage 2 and the slice in one engine run: each time some stage-1 trees finish,
     they receive their part of the stage-2 budget left (`_Stage2.on_done`) and their
-    continuations start at once, in the slots the tail of stage 1 leaves idle. The step's batch
-    price joins the driver's record for the next steps."""
+    continuations start at once, in the slots the tail of stage 1 leaves idle. The random slice
+    starts with the last decision, in the tail (as in batch mode, where it shares the stage-2
+    run), not competing with stage 1 for slots. The step's batch price joins the driver's record
+    for the next steps."""
     reqs = self._root_requests(examples, plan)
     for i, r in enumerate(reqs):  # lets the callback place each tree among the requests
       r.meta = dict(r.meta, stage1_index=i)
     n = len(reqs)
     slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
     s2 = _Stage2(self, use_predictor, n)
-    out = self.engine.run(reqs + slice_reqs, on_trees_done=s2.on_done)
+    s2.tail = list(slice_reqs)  # the slice joins with the last decision, in stage 2's tail
+    out = self.engine.run(reqs, on_trees_done=s2.on_done)
     price = s2.price(self.cfg.prefix_budget)
     if price is not None:
       self._stage2_prices = (self._stage2_prices + [price])[-32:]
@@ -353,6 +357,7 @@ class _Stage2:
     self.forks: list[ForkRequest] = []
     self.shares: list[int] = []
     self.gains: list[np.ndarray] = []  # each group's marginal gains (its value curve's steps)
+    self.tail: list = []  # requests to start with the last decision (the random slice)
     self.slice_trees, self.slice_p = [], []
 
   def decide(self, driver, trees, indices, use_predictor: bool, budget: int) -> list:
@@ -409,6 +414,8 @@ class _Stage2:
                   int(np.ceil(self.max_share * fair)))
     forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share)
     self.left -= sum(f.k for f in forks)
+    if self.decided >= self.num_trees and self.tail:
+      forks, self.tail = forks + self.tail, []
     return forks
 
   def price(self, budget: int) -> float | None:

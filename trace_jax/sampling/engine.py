@@ -375,10 +375,11 @@ class SamplerEngine:
 
     on_trees_done: optional callback(trees) -> requests. Between decode steps it receives the
     trees of this run that went idle since the last call (every rollout started for them has
-    finished), in the order they went idle; the requests it returns (forks of live trees) join the
-    run at once, while the other trees are still decoding, and a tree that gets more rollouts is
-    reported again when they finish. This is how a second stage streams into the first one's tail
-    instead of waiting for every tree.
+    finished), in the order they went idle; the requests it returns (forks of live trees, or new
+    prompts, whose trees are appended to the result) join the run at once, while the other trees
+    are still decoding, and a tree that gets more rollouts is reported again when they finish.
+    This is how a second stage streams into the first one's tail instead of waiting for every
+    tree.
 
     requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
     slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
@@ -395,7 +396,7 @@ class SamplerEngine:
     self._pending = {(int(w), int(d)): collections.deque()
                      for w, d in zip(self.slot_worker, self.slot_shard)}
     self._on_trees_done, self._idle = on_trees_done, []
-    trees = self._admit(requests, num_workers)
+    trees = self._run_trees = self._admit(requests, num_workers)
     try:
       self._loop(sync_turns, num_workers, sync_refill)
     finally:
@@ -466,8 +467,9 @@ class SamplerEngine:
       if self._idle:  # the caller's next requests for trees that just finished
         idle, self._idle = self._idle, []
         more = list(self._on_trees_done(idle) or [])
-        if more:
-          self._admit(more, num_workers)
+        if more:  # new prompts' trees join the run's result, after the others
+          self._run_trees += [t for t in self._admit(more, num_workers)
+                              if all(t is not u for u in self._run_trees)]
       if not sync_turns or all(b is None for b in self.slots):
         self._refill()
       self._flush_prefill()

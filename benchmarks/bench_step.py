@@ -1,0 +1,112 @@
+"""Full RL steps per method and stage-2 mode: how busy the sampler's slots are (issue 29).
+
+  python benchmarks/bench_step.py --steps=6 --warmup=2
+  python benchmarks/bench_step.py --settings=trace_tree:stream --no_timing   # counts only
+
+For each setting `method:stage2` (one process builds every run of the default config's warm
+start in turn, after the warm-start probe fit of the head) it runs `--warmup` RL steps, then
+`--steps` measured ones, and reports medians over the measured steps of: slot utilization (busy
+slot steps / slot steps, from the engine's ledger), decode steps per RL step, prefill and
+generated tokens per step, rollouts started (the budget, which the ledger proves), and, unless
+`--no_timing`, the seconds of sampling and of the update. The counts do not depend on the
+machine's load; the seconds do, so time only on an otherwise idle machine.
+Writes results/step_bench.json ({"runs": [{"method", "stage2", "off_policy_steps",
+"slot_utilization", "decode_steps_per_step", "prefill_tokens_per_step", "sample_s", "update_s",
+...}]}) and results/step_bench.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "configs"))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+_CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
+_SETTINGS = flags.DEFINE_string(
+    "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,tree_grpo:batch,tree_grpo:stream",
+    "comma-separated method:stage2")
+_STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
+_NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
+_OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
+
+
+def measure(method: str, stage2: str, variant: str, steps: int, warmup: int) -> dict:
+  import mhqa
+
+  from trace_jax import train
+
+  c = mhqa.get_config(variant)
+  c.method, c.rollout.stage2 = method, stage2
+  c.workdir = f"/tmp/bench_step/{method}-{stage2}"
+  c = mhqa.validate(c)
+  run = train.build(c)
+  state = train.probe_warm_start(run, train.init_state(run))
+  recs = []
+  for _ in range(warmup + steps):
+    sample, rec = train.sample_step(run, state)
+    state, rec = train.update_step(run, state, sample, rec)
+    recs.append(rec)
+  recs = recs[warmup:]
+
+  def med(key):
+    vals = [float(r[key]) for r in recs if key in r]
+    return float(np.median(vals)) if vals else None
+
+  util = [r["ledger_busy_slot_steps"] / max(r["ledger_total_slot_steps"], 1) for r in recs]
+  return dict(method=method, stage2=stage2, off_policy_steps=0, steps=len(recs),
+              slot_utilization=float(np.median(util)),
+              decode_steps_per_step=med("ledger_decode_steps"),
+              prefill_tokens_per_step=med("ledger_prefill_tokens"),
+              generated_tokens_per_step=med("ledger_generated_tokens"),
+              rollouts_per_step=med("ledger_rollouts_started"),
+              effective_ratio=med("effective_ratio"),
+              stage2_decisions=med("stage2_decisions"), stage2_unspent=med("stage2_unspent"),
+              stage2_last_share=med("stage2_last_share"),
+              sample_s=med("sample_seconds"), update_s=med("update_seconds"))
+
+
+def main(argv):
+  del argv
+  rows = []
+  for setting in _SETTINGS.value.split(","):
+    method, stage2 = setting.split(":")
+    row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value)
+    if _NO_TIMING.value:
+      row.update(sample_s=None, update_s=None)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  out = dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:]),
+             machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
+             config=_CONFIG.value, timing=not _NO_TIMING.value, runs=rows)
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value + ".json", "w") as f:
+    json.dump(out, f, indent=1)
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  labels = [f"{r['method']}\n{r['stage2']}" for r in rows]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+  axes[0].bar(labels, [r["slot_utilization"] for r in rows], color="tab:blue")
+  axes[0].axhline(0.85, color="grey", ls="--", lw=0.8)
+  axes[0].set(title="slot utilization (median step)", ylim=(0, 1))
+  axes[1].bar(labels, [r["decode_steps_per_step"] for r in rows], color="tab:orange")
+  axes[1].set(title="decode steps per RL step")
+  for ax in axes:
+    ax.tick_params(axis="x", labelsize=8)
+  fig.tight_layout()
+  fig.savefig(_OUT.value + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+  app.run(main)
