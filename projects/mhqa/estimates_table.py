@@ -28,7 +28,7 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(_ROOT, "launch"))
 sys.path.insert(0, _ROOT)
 
-from campaign import archived_records, summary_rows  # noqa: E402
+from campaign import archived_records  # noqa: E402
 from seed_stats import fmt, fmt_welch, stats, welch  # noqa: E402
 
 _RES = "projects/mhqa/results"
@@ -94,10 +94,22 @@ def run_values(out_dir: str, row: dict) -> dict | None:
   return out
 
 
+def archived_rows(out_dir, method, regime, budget, seeds) -> list[dict]:
+  """Rows of the arm's finished runs, from their archived summaries (so an arm whose campaign is
+  still running, with no summary.json yet, shows the runs it has)."""
+  rows = []
+  for seed in range(seeds):
+    run = f"{regime}/{budget}/{method}-seed{seed}"
+    path = os.path.join(out_dir, "runs", run, "summary.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        s = json.load(f)
+      rows.append(dict(s, run=run, seed=seed, regime=regime, budget=budget))
+  return rows
+
+
 def arm_values(label, out_dir, method, regime, budget, seeds) -> dict:
-  rows = [r for r in summary_rows(out_dir) if (r.get("method"), r.get("regime"), r.get("budget"))
-          == (method, regime, budget) and int(r.get("seed", -1)) < seeds] if os.path.isdir(
-              out_dir) else []
+  rows = archived_rows(out_dir, method, regime, budget, seeds)
   runs = [v for v in (run_values(out_dir, r) for r in sorted(rows, key=lambda r: r["seed"]))
           if v is not None]
   arm = dict(label=label, dir=out_dir, method=method, regime=regime, budget=budget,
