@@ -360,13 +360,15 @@ class _Stage2:
     self.tail: list = []  # requests to start with the last decision (the random slice)
     self.slice_trees, self.slice_p = [], []
 
-  def decide(self, driver, trees, indices, use_predictor: bool, budget: int) -> list:
+  def decide(self, driver, trees, indices, use_predictor: bool, budget: int,
+             cands=None) -> list:
     """Continuations for `trees` (stage-1 tree indices `indices`) within `budget` rollouts:
     records the candidates, counts and estimates, sets each anchor's p̂ and returns the forks."""
     strategy = driver.strategy
     if budget != driver.cfg.prefix_budget:
       strategy = type(strategy)(dataclasses.replace(driver.cfg, prefix_budget=int(budget)))
-    cands = strategy.candidates(trees)
+    if cands is None:  # (the budget never changes which anchors are candidates)
+      cands = strategy.candidates(trees)
     conts, p_anchor = strategy.prefix_counts(driver, trees, cands, use_predictor)
     conts = np.asarray(conts, np.int32)
     forks = []
@@ -398,8 +400,8 @@ class _Stage2:
     undecided = self.num_trees - self.decided
     self.decided += len(new)
     d = self.driver
-    curve = d.strategy.value_curve(d, new, d.strategy.candidates(new), self.use_predictor,
-                                   d.cfg.prefix_budget)
+    cands = d.strategy.candidates(new)
+    curve = d.strategy.value_curve(d, new, cands, self.use_predictor, d.cfg.prefix_budget)
     price = d.stage2_price()
     if curve is not None:
       self.gains.append(np.diff(curve))
@@ -412,7 +414,8 @@ class _Stage2:
       fair = self.left * len(new) / undecided
       share = min(self.left, int(below[0]) if below.size else len(curve) - 1,
                   int(np.ceil(self.max_share * fair)))
-    forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share)
+    forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share,
+                        cands)
     self.left -= sum(f.k for f in forks)
     if self.decided >= self.num_trees and self.tail:
       forks, self.tail = forks + self.tail, []
