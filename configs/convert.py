@@ -15,6 +15,7 @@ import os
 from trace_jax.allocation.allocators import ROOT_OBJECTIVES
 from trace_jax.config import TrainConfig
 from trace_jax.rl.advantages import VALUE_ESTIMATORS
+from trace_jax.rl.batch import PACKINGS
 
 def to_train_config(c) -> TrainConfig:
   """The typed config of ConfigDict (or nested dict) `c`, every value checked (`validate`)."""
@@ -199,6 +200,7 @@ def validate(c: TrainConfig) -> None:
   _at_least(c, "rl.max_consecutive_skips", 1)
   _choice(c, "rl.remat", ("none", "full", "dots"))
   _choice(c, "rl.tree_values", VALUE_ESTIMATORS)
+  _choice(c, "rl.packing", PACKINGS)
   _at_least(c, "rl.ppo_epochs", 1)
   _at_least(c, "rl.minibatches", 1)
   _at_least(c, "rl.predictor_ensemble", 1)

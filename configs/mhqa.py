@@ -168,6 +168,8 @@ def _base():
   c.rl.predictor_slice = False     # fit the head on the random slice's trees too
   c.rl.predictor_holdout = 0.0     # share of prompts held out of the fit for early stopping
   c.rl.predictor_ensemble = 1      # heads in the fit (bootstrap); > 1 gives p̂ an uncertainty
+  c.rl.packing = "tree"            # update layout: tree (shared prefixes computed once) | none
+  #                                  (one row segment per leaf, every prefix once per leaf)
   c.rl.max_param_growth = 100.0    # stop when the parameter norm exceeds this x its warm-start norm
 
   c.eval = ml_collections.ConfigDict()

@@ -23,6 +23,7 @@ from ml_collections import config_flags  # noqa: E402
 from trace_jax.models.qwen3 import get_preset  # noqa: E402
 from trace_jax.parallel.micro_batch import padded_rows  # noqa: E402
 from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
+from trace_jax.train import preds_per_row  # noqa: E402
 from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
                             format_table, plan_memory)
 
@@ -49,7 +50,7 @@ def _settings(c, **over) -> dict:
            num_slots=c.rollout.num_slots, seq_len=c.env.max_seq_len,
            train_rows=c.rl.train_rows, micro_batches=c.rl.micro_batches, remat=c.rl.remat,
            minibatches=c.rl.minibatches,
-           kl_coef=c.rl.kl_coef, preds_per_row=3 * (c.env.max_turns + 2),
+           kl_coef=c.rl.kl_coef, preds_per_row=preds_per_row(c), packing=c.rl.packing,
            predictor_hidden=c.model.predictor_hidden, kv_pool=_KV_POOL.value)
   s.update(over)
   return s
@@ -63,7 +64,8 @@ def _plan(cfg, mesh: str, s: dict):
                                                    s.get("minibatches", 1)),
                      micro_batches=s["micro_batches"], num_slots=s["num_slots"],
                      remat=s["remat"], kl_coef=s["kl_coef"], kv_pool=s["kv_pool"],
-                     preds_per_row=s["preds_per_row"], predictor_hidden=s["predictor_hidden"])
+                     preds_per_row=s["preds_per_row"], predictor_hidden=s["predictor_hidden"],
+                     packing=s.get("packing", "none"))
 
 
 def _fits(p, gb: float) -> bool:

@@ -152,6 +152,7 @@ class RLSection:
   predictor_slice: bool
   predictor_holdout: float
   predictor_ensemble: int
+  packing: str
 
 
 @dataclasses.dataclass(frozen=True)

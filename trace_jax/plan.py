@@ -216,11 +216,13 @@ class StepPlan:
 
 def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, micro_batches: int,
                      remat: str = "none", preds_per_row: int = 18, master_dtype="float32",
-                     predictor_hidden: int = 256, act_dtype=None,
+                     predictor_hidden: int = 256, act_dtype=None, packing: str = "none",
                      rules=DEFAULT_RULES) -> StepPlan:
   """The update step as `train.build` jits it (`jit_update_step` with `state_shardings`, state
-  donated). rows: the packed batch's rows (all devices); act_dtype: the activations' dtype
-  (default cfg.dtype)."""
+  donated). rows: the packed batch's rows (all devices), the largest of the run's row buckets
+  with `packing="tree"`; act_dtype: the activations' dtype (default cfg.dtype). Tree packing adds
+  two i32 per token to the batch (`prev`, `kv_end`) and the final hidden states gathered at each
+  token's predecessor (and their gradient) to the activations."""
   sizes = _sizes(mesh_spec)
   dp = sizes["data"] * sizes["fsdp"]
   if rows % (dp * micro_batches):
@@ -235,6 +237,8 @@ def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, mi
   rows_dev = rows // dp
   batch = rows_dev * (seq_len * (3 * 4 + 4 * F32) + preds_per_row * (4 + 2 * F32))
   rows_mb = rows_dev // micro_batches
+  if packing == "tree":
+    batch += rows_dev * seq_len * 2 * 4
   terms = {
       "state (masters + AdamW mu, nu)": state,
       "batch": batch,
@@ -243,6 +247,9 @@ def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, mi
       f"activations (remat={remat})": activation_bytes(cfg, sizes, rows_mb, seq_len, remat, ab),
       "logits (f32)": logits_bytes(cfg, sizes, rows_mb * seq_len),
   }
+  if packing == "tree":
+    terms["tree packing: hidden at each token's predecessor (+ grad)"] = (
+        2 * rows_mb * seq_len * cfg.hidden_size * ab)
   return StepPlan(terms, argument=state + batch, output=state, alias=state)
 
 
@@ -355,7 +362,7 @@ def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, 
                 rows: int | None = None, micro_batches: int = 1,
                 micro_batch_seqs: int | None = None, num_slots: int = 256, remat: str = "none",
                 kl_coef: float = 0.0, kv_pool: str = "main", master_dtype="float32",
-                preds_per_row: int = 18, predictor_hidden: int = 256,
+                preds_per_row: int = 18, predictor_hidden: int = 256, packing: str = "none",
                 rules=DEFAULT_RULES) -> MemoryPlan:
   """Per-device memory of one process running the RL loop of `train.py` on a (data, fsdp,
   tensor) mesh: resident weights, optimizer state and KV pool, plus the larger of the update
@@ -386,7 +393,7 @@ def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, 
   try:
     up = plan_update_step(cfg, sizes, rows=rows, seq_len=seq_len, micro_batches=micro_batches,
                           remat=remat, preds_per_row=preds_per_row, master_dtype=master_dtype,
-                          predictor_hidden=predictor_hidden, rules=rules)
+                          predictor_hidden=predictor_hidden, packing=packing, rules=rules)
     skip = ("state (masters + AdamW mu, nu)",)
     update_extra = {k: v / GB for k, v in up.terms.items() if k not in skip}
   except ValueError as e:

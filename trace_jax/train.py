@@ -48,7 +48,8 @@ from trace_jax.parallel.distributed import (broadcast_arrays, broadcast_object, 
                                             run_global)
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.provenance import environment
-from trace_jax.rl.batch import build_sequences, pack_batch, tree_metrics
+from trace_jax.rl.batch import (build_sequences, build_tree_units, pack_batch, row_buckets,
+                                tree_metrics)
 from trace_jax.allocation.predictor_fit import PredictorFitter
 from trace_jax.allocation.predictor_metrics import calibration_curve, predictor_report
 from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step,
@@ -499,10 +500,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
     key = k.replace("_started", "")
     totals[key] = totals.get(key, 0) + sample.info.get(f"ledger_{k}", 0)
-  seqs, _, _ = build_sequences(sample.trees, strategies.advantage_for(c.method, c.rl.advantage),
-                               c.env.max_turns + 2, c.rl.normalize_std,
-                               pred_leaf_weight=c.rl.predictor_leaf_weight,
-                               values=c.rl.tree_values)
+  seqs = training_units(c, sample.trees)
   # Only a method whose allocation reads p̂ pays for the extra fit (GRPO and the other uniform
   # methods train the head in the joint update alone, which costs them nothing extra).
   fit_info, train_state = {}, state.train
@@ -513,8 +511,7 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
              rollouts_total=totals["rollouts"])
   if seqs:
-    batch, binfo = pack_batch(seqs, c.env.max_seq_len, 3 * (c.env.max_turns + 2),
-                              num_rows=update_rows(c, run.mesh))
+    batch, binfo = pack_rows(c, run.mesh, seqs)
     if run.hooks.batch is not None:
       batch = run.hooks.batch(state.step, batch)
     t1 = time.time()
@@ -533,6 +530,36 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
                               predictions=predictions[-20000:], er_hist=er_hist)
   run.writer.write(state.step, rec)
   return state, rec
+
+
+def preds_per_row(c: TrainConfig) -> int:
+  """Predictor entries per packed row: three root-to-leaf paths' nodes unpacked; with tree
+  packing (one entry per weighted node, a row holding a whole tree's nodes) eight paths' worth,
+  and a unit is split before it holds more."""
+  return (8 if c.rl.packing == "tree" else 3) * (c.env.max_turns + 2)
+
+
+def training_units(c: TrainConfig, trees) -> list[dict]:
+  """The step's trained trees as the units `pack_batch` lays out: one sequence per leaf
+  (`rl.packing=none`) or each tree's nodes once per unit (`tree`), with the method's advantage
+  estimator and the run's value estimator."""
+  kw = dict(kind=strategies.advantage_for(c.method, c.rl.advantage),
+            max_depth=c.env.max_turns + 2, normalize=c.rl.normalize_std,
+            pred_leaf_weight=c.rl.predictor_leaf_weight, values=c.rl.tree_values)
+  if c.rl.packing == "tree":
+    return build_tree_units(trees, row_len=c.env.max_seq_len, max_nodes=preds_per_row(c), **kw)[0]
+  return build_sequences(trees, **kw)[0]
+
+
+def pack_rows(c: TrainConfig, mesh, units: list[dict]):
+  """(batch, info) of `pack_batch`: a fixed `update_rows` rows unpacked; tree-packed, the
+  smallest of `row_buckets` up to it that holds the units (shapes follow the work)."""
+  rows = update_rows(c, mesh)
+  if c.rl.packing == "tree":
+    multiple = c.rl.micro_batches * c.rl.minibatches * row_shards(mesh if mesh.size > 1 else None)
+    return pack_batch(units, c.env.max_seq_len, preds_per_row(c),
+                      buckets=row_buckets(rows, multiple))
+  return pack_batch(units, c.env.max_seq_len, preds_per_row(c), num_rows=rows)
 
 
 def minibatch_order(rows: int, minibatches: int, epochs: int, seed: int, step: int):

@@ -47,7 +47,7 @@ def planned(p: plan.StepPlan) -> dict:
           "total": p.total, "terms": p.terms}
 
 
-def update_check(rows, seq_len, micro, remat, vocab):
+def update_check(rows, seq_len, micro, remat, vocab, packing="none"):
   cfg = model_config(vocab_size=vocab)
   mesh = make_mesh(MESH)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
@@ -66,12 +66,14 @@ def update_check(rows, seq_len, micro, remat, vocab):
                 for n in ("mask", "adv", "old_logp", "ref_logp")})
   batch.update(pred_pos=arr((rows, k), jnp.int32), pred_target=arr((rows, k), jnp.float32),
                pred_weight=arr((rows, k), jnp.float32))
+  if packing == "tree":
+    batch.update(prev=arr((rows, seq_len), jnp.int32), kv_end=arr((rows, seq_len), jnp.int32))
   # As train.build: explicit state shardings, the batch's own (shard_batch) sharding, donation.
   step = U.jit_update_step(graphdef, pred_graphdef, ucfg, sh, None, mesh=mesh)
   got = measured(step.lower(state, batch).compile())
   want = planned(plan.plan_update_step(cfg, MESH, rows=rows, seq_len=seq_len,
                                        micro_batches=micro, remat=remat, preds_per_row=k,
-                                       predictor_hidden=256))
+                                       predictor_hidden=256, packing=packing))
   return {"measured": got, "plan": want}
 
 
@@ -107,7 +109,7 @@ def decode_check(num_slots, num_pages, page_size, max_seq_len, vocab):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--mode", choices=("update", "decode", "both"), required=True)
+  ap.add_argument("--mode", choices=("update", "decode", "both", "all"), required=True)
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--seq_len", type=int, default=256)
   ap.add_argument("--micro", type=int, default=2)
@@ -121,9 +123,11 @@ def main():
   a = ap.parse_args()
   assert len(jax.devices()) == 8, jax.devices()
   res = {}
-  if a.mode in ("update", "both"):
+  if a.mode in ("update", "both", "all"):
     res["update"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab)
-  if a.mode in ("decode", "both"):
+  if a.mode == "all":  # the tree-packed update (rl.packing=tree) too
+    res["update_tree"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab, "tree")
+  if a.mode in ("decode", "both", "all"):
     res["decode"] = decode_check(a.slots, a.pages, a.page_size, a.seq_len, a.vocab)
   for step in res.values():
     step["plan_over_measured"] = {k: step["plan"][k] / step["measured"][k]

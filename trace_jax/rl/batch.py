@@ -1,9 +1,23 @@
-"""From sampled trees to the static-shape training batch of `trace_jax.rl.update`.
+"""From sampled trees to the training batch of `trace_jax.rl.update`, in one of two layouts.
 
-Every leaf gives one root-to-leaf sequence. Ownership is decided per sequence (the first sequence
-that contains a node trains its tokens and its predictor target), then sequences are packed
-first-fit into rows of `row_len` tokens with segment ids, so a short trajectory does not pay for a
-long one's padding. The row count is rounded up to `row_multiple` so only a few shapes compile.
+`rl.packing=none` (`build_sequences`): every leaf gives one root-to-leaf sequence. Ownership is
+decided per sequence (the first sequence that contains a node trains its tokens and its predictor
+target), so a shared segment is *trained* once but *computed* once per leaf through it.
+
+`rl.packing=tree` (`build_tree_units`): each tree is laid out with every node's tokens once, in
+preorder, split into as few units of at most `row_len` tokens as its leaves allow (a unit is a
+union of root-to-leaf paths; only the ancestors of a unit's first leaf are repeated in the next).
+Each token carries its depth along its own root path (`positions`, so RoPE is what the unpacked
+sequence would give), the row index its logits are read from (`prev`: the previous token on its
+root path, the parent's last token for a node's first) and the end of its node's subtree
+(`kv_end`: a key is seen by queries up to there, so every token attends exactly to its ancestors
+and its own node's causal past). Every node's tokens and predictor target are trained once, with
+the same advantage, old log-prob and normalizer as in the unpacked layout: the packed loss and
+gradients are the unpacked ones (tests/test_tree_packing.py), computed on fewer tokens.
+
+Either kind of unit is packed first-fit into rows of `row_len` tokens (`pack_batch`), so a short
+trajectory does not pay for a long one's padding; the row count is rounded up to `row_multiple`
+(or to one of a few `row_buckets`) so only a few shapes compile.
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import numpy as np
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.sampling.tree import rollout_values
 from trace_jax.sampling.tree import Tree, to_flat
+
+PACKINGS = ("tree", "none")  # rl.packing: each tree's nodes once per unit | one row per leaf
 
 ADVANTAGES = {
     "tree_contrastive": adv_lib.tree_contrastive_advantages,
@@ -99,15 +115,133 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
   return seqs, flat, adv
 
 
+def _preorder(t: Tree, nodes: set) -> list[int]:
+  """The nodes of `nodes` (a prefix-closed set of `t`'s ids) in preorder, children in id order."""
+  out, stack = [], [0]
+  while stack:
+    nid = stack.pop()
+    out.append(nid)
+    stack += [c for c in reversed(t.nodes[nid].children) if c in nodes]
+  return out
+
+
+def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: int,
+                     max_nodes: int, normalize: bool = True, pred_leaf_weight: float = 0.0,
+                     values: str = "children"):
+  """Tree-packed units (`rl.packing=tree`, see the module docstring): the same trained tokens,
+  advantages, old log-probs and predictor targets as `build_sequences`, each node's tokens once.
+
+  A tree's leaves (in preorder) are grouped greedily: a leaf joins the current unit while the union
+  of the unit's root-to-leaf paths stays within `row_len` tokens and `max_nodes` nodes, else it
+  starts the next unit (which repeats the ancestors it shares with earlier units, untrained there).
+  A path longer than `row_len` is cut there, as `pack_batch` cuts a long sequence: the cut tokens
+  are untrained in both layouts. Predictor entries are emitted only where they are weighted (a
+  node's first unit), one per node.
+
+  Returns (list of unit dicts, flat, node_adv). A unit dict has the fields of a `build_sequences`
+  sequence (tokens, mask, adv, old_logp, prompt_len, pred_pos, pred_target, pred_weight) plus
+  positions, prev and kv_end (i32[L], indices within the unit) and `leaves`, its leaf count.
+  """
+  flat = to_flat(trees)
+  adv = node_advantages(flat, kind, max_depth, normalize, values=values)
+  units, offset = [], 0
+  for t in trees:
+    targets, _ = rollout_values(t)
+    start = [0] * len(t.nodes)  # depth position of each node's first token on its root path
+    for n in t.nodes[1:]:
+      start[n.id] = start[n.parent] + t.nodes[n.parent].num_tokens
+    clip = {n.id: max(min(n.num_tokens, row_len - start[n.id]), 0) for n in t.nodes}
+    leaves = [nid for nid in _preorder(t, set(range(len(t.nodes)))) if t.nodes[nid].done]
+    groups, cur, cur_len = [], [], 0
+    cur_nodes: set = set()
+    for leaf in leaves:
+      path = [nid for nid in t.path(leaf) if start[nid] < row_len or nid == 0]
+      new = [nid for nid in path if nid not in cur_nodes]
+      add = sum(clip[nid] for nid in new)
+      if cur and (cur_len + add > row_len or len(cur_nodes) + len(new) > max_nodes):
+        groups.append((cur, cur_nodes))
+        cur, cur_nodes = [], set()
+        new, add = path, sum(clip[nid] for nid in path)
+      cur.append(leaf)
+      cur_nodes |= set(new)
+      cur_len = sum(clip[nid] for nid in cur_nodes)
+    if cur:
+      groups.append((cur, cur_nodes))
+    owned: set = set()
+    for group_leaves, nodes in groups:
+      order = _preorder(t, nodes)
+      at, first, last = 0, {}, {}
+      for nid in order:
+        first[nid], at = at, at + clip[nid]
+        last[nid] = at - 1 if clip[nid] else (last[t.nodes[nid].parent] if nid else 0)
+      size = at
+      end = dict(first)  # subtree end: the last preorder descendant's end
+      for nid in reversed(order):
+        end[nid] = max(end[nid], first[nid] + clip[nid])
+        par = t.nodes[nid].parent
+        if nid and par in end:
+          end[par] = max(end[par], end[nid])
+      u = dict(tokens=np.zeros(size, np.int32), mask=np.zeros(size, np.float32),
+               adv=np.zeros(size, np.float32), old_logp=np.zeros(size, np.float32),
+               positions=np.zeros(size, np.int32), prev=np.zeros(size, np.int32),
+               kv_end=np.zeros(size, np.int32), prompt_len=min(len(t.prompt_ids), row_len),
+               leaves=len(group_leaves))
+      pos, tgt, w = [], [], []
+      for nid in order:
+        n, k, a = t.nodes[nid], clip[nid], first[nid]
+        if k:
+          sl = slice(a, a + k)
+          u["tokens"][sl] = (n.gen_ids + n.obs_ids)[:k]
+          gen = np.arange(k) < len(n.gen_ids)
+          u["old_logp"][sl] = np.where(gen, np.asarray(list(n.logprobs) + [0.0] * len(n.obs_ids),
+                                                       np.float32)[:k], 0.0)
+          u["adv"][sl] = np.where(gen, adv[nid + offset], 0.0)
+          if nid not in owned:
+            u["mask"][sl] = gen
+          u["positions"][sl] = start[nid] + np.arange(k)
+          u["prev"][sl] = np.arange(a - 1, a + k - 1)
+          u["prev"][a] = last[n.parent] if nid else a
+          u["kv_end"][sl] = end[nid]
+        v = targets[nid]
+        if nid not in owned and v is not None and start[nid] + n.num_tokens <= row_len:
+          wt = pred_leaf_weight if n.done else 1.0
+          if wt > 0:
+            pos.append(last[nid])
+            tgt.append(float(v))
+            w.append(wt)
+        owned.add(nid)
+      u.update(pred_pos=np.asarray(pos, np.int32), pred_target=np.asarray(tgt, np.float32),
+               pred_weight=np.asarray(w, np.float32))
+      units.append(u)
+    offset += len(t.nodes)
+  return units, flat, adv
+
+
+def row_buckets(cap: int, multiple: int) -> list[int]:
+  """The compiled row counts of tree-packed updates: multiples of `multiple` (micro-batches x
+  shards x minibatches) growing by about 1.5x (1, 2, 3, 4, 6, 8, 12, ... times it), and `cap`
+  itself (rounded up to the multiple), so a batch pads at most about a third and a run compiles
+  a handful of shapes. 80 rows in multiples of 4 -> [4, 8, 12, 16, 24, 32, 48, 64, 80]."""
+  cap = -(-max(int(cap), 1) // multiple) * multiple
+  steps = sorted({1} | {f << j for f in (2, 3) for j in range(40) if (f << j) * multiple < cap})
+  out = [k * multiple for k in steps if k * multiple < cap]
+  return out + [cap]
+
+
 def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple: int = 8,
-               min_rows: int = 0,
-               num_rows: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+               min_rows: int = 0, num_rows: int | None = None,
+               buckets: Sequence[int] | None = None) -> tuple[dict[str, np.ndarray], dict]:
   """First-fit packing (longest first) into [R, row_len] rows; see trace_jax.rl.update's layout.
 
+  `seqs` are `build_sequences` sequences or `build_tree_units` units (then the batch also holds
+  `prev` and `kv_end`, offset to row indices, and each unit's own `positions`).
   Sequences longer than `row_len` are cut (their cut tokens untrained); counted in the info.
   With `num_rows`, R is fixed (one compiled update shape for the whole run); sequences that do not
   fit are left out and counted in `dropped_sequences` (size num_rows so that this stays rare).
+  With `buckets` (ascending row counts, e.g. `row_buckets`), R is the smallest bucket that holds
+  every row, or the last one (the rest dropped and counted).
   """
+  tree = any("kv_end" in q for q in seqs)
   order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["tokens"]))
   rows, fill, npred = [], [], []
   cut = 0
@@ -128,6 +262,8 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       fill.append(L)
       npred.append(P)
   dropped = 0
+  if buckets is not None:
+    num_rows = next((b for b in buckets if b >= len(rows)), buckets[-1])
   if num_rows is not None:
     dropped = sum(len(r) for r in rows[num_rows:])
     rows, fill = rows[:num_rows], fill[:num_rows]
@@ -142,6 +278,9 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
            pred_weight=np.zeros((n_rows, preds_per_row), np.float32),
            pred_pstart=np.zeros((n_rows, preds_per_row), np.int32),
            pred_plen=np.zeros((n_rows, preds_per_row), np.int32))
+  if tree:  # padding attends to itself only
+    b["prev"] = np.tile(np.arange(row_len, dtype=np.int32), (n_rows, 1))
+    b["kv_end"] = b["prev"] + 1
   for r, members in enumerate(rows):
     at = ap = 0
     for s, i in enumerate(members, start=1):
@@ -150,7 +289,12 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       sl = slice(at, at + L)
       b["tokens"][r, sl] = q["tokens"][:L]
       b["segment_ids"][r, sl] = s
-      b["positions"][r, sl] = np.arange(L)
+      if tree:
+        b["positions"][r, sl] = q["positions"][:L]
+        b["prev"][r, sl] = np.minimum(q["prev"][:L], L - 1) + at
+        b["kv_end"][r, sl] = np.minimum(q["kv_end"][:L], L) + at
+      else:
+        b["positions"][r, sl] = np.arange(L)
       for k in ("mask", "adv", "old_logp"):
         b[k][r, sl] = q[k][:L]
       b["mask"][r, at] = 0.0  # the first token of a segment has no context in this row
@@ -164,7 +308,7 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       at += L
       ap += P
   info = dict(rows=len(rows), padded_rows=n_rows, sequences=len(seqs), cut_sequences=cut,
-              dropped_sequences=dropped,
+              dropped_sequences=dropped, tokens=float(sum(fill)),
               fill=float(sum(fill)) / (n_rows * row_len),
               trained_tokens=float(b["mask"].sum()))
   return b, info
@@ -200,5 +344,5 @@ def tree_metrics(trees: Sequence[Tree]) -> dict:
               nodes_per_tree=float(np.mean([len(t.nodes) for t in trees])))
 
 
-__all__ = ["ADVANTAGES", "build_sequences", "node_advantages", "pack_batch",
-           "tree_metrics"]
+__all__ = ["ADVANTAGES", "PACKINGS", "build_sequences", "build_tree_units", "node_advantages",
+           "pack_batch", "row_buckets", "tree_metrics"]

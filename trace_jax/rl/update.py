@@ -31,6 +31,11 @@ Batch layout (all arrays lead with the batch dimension B; per-token arrays are a
   pred_weight f32[B, K]   weights (0 on padding or on nodes owned by another sequence)
   pred_pstart i32[B, K]   start of each node's prompt in the row (read with prompt_mean_features)
   pred_plen   i32[B, K]   length of that prompt
+Tree-packed batches (`rl.packing=tree`, `trace_jax.rl.batch.build_tree_units`) add
+  prev        i32[B, T]   row index of the previous token on each token's root path (its logits
+                          predict the token; t - 1 except at a node's first token)
+  kv_end      i32[B, T]   end of each token's subtree in the row (the ancestor mask, see the model)
+and their positions are depths along the root paths.
 """
 
 from __future__ import annotations
@@ -198,14 +203,24 @@ def span_means(hidden, start, length):
   return (hi - lo) / jnp.maximum(length, 1)[..., None].astype(jnp.float32)
 
 
+def _next_token_logits(model, out, mb):
+  """f32[B, T-1, V]: entry t predicts token t + 1. In a tree-packed batch (`prev` present) the
+  logits of token t + 1 are those at its root path's previous token, `prev[t + 1]` (the parent's
+  last token for a node's first token), not at row index t."""
+  if "prev" not in mb:
+    return out["logits"][:, :-1]
+  src = jnp.take_along_axis(out["hidden"], mb["prev"][:, 1:, None], axis=1)
+  return model.logits(src)
+
+
 def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_norm, cfg):
   dtype = _policy_dtype(cfg, nnx.merge(graphdef, params))
   if dtype is not None:  # the forward runs on exactly the weights the sampler runs
     params = _cast_floats(params, dtype)
   model = nnx.merge(graphdef, params)
   out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
-                      remat=cfg.remat)
-  logp, ent = token_logprobs_and_entropy(out["logits"][:, :-1], mb["tokens"][:, 1:],
+                      remat=cfg.remat, kv_end=mb.get("kv_end"), compute_logits="prev" not in mb)
+  logp, ent = token_logprobs_and_entropy(_next_token_logits(model, out, mb), mb["tokens"][:, 1:],
                                          cfg.temperature)
   pg, m = ppo_clip_loss(
       logp, mb["old_logp"][:, 1:], mb["adv"][:, 1:], mb["mask"][:, 1:], eps_low=cfg.eps_low,
@@ -332,15 +347,14 @@ def jit_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, state_shardings:
 # ---- KL reference --------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def _reference_fn(graphdef, micro_batches: int, mesh, rules, temperature: float):
-  def f(ref_params, tokens, positions, segment_ids):
-    mbs = split_micro_batches(dict(tokens=tokens, positions=positions, segment_ids=segment_ids),
-                              micro_batches, mesh, rules)
+  def f(ref_params, inputs):
+    mbs = split_micro_batches(inputs, micro_batches, mesh, rules)
 
     def body(carry, mb):
       model = nnx.merge(graphdef, ref_params)
-      logits = model.forward(mb["tokens"], positions=mb["positions"],
-                             segment_ids=mb["segment_ids"])["logits"]
-      lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], temperature)
+      out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
+                          kv_end=mb.get("kv_end"), compute_logits="prev" not in mb)
+      lp = token_logprobs(_next_token_logits(model, out, mb), mb["tokens"][:, 1:], temperature)
       return carry, jnp.pad(lp, ((0, 0), (1, 0)))
     _, out = jax.lax.scan(body, None, mbs)
     return merge_micro_batches(out, mesh, rules)
@@ -357,4 +371,5 @@ def reference_logprobs(graphdef, ref_params, batch, micro_batches: int = 1,
   Jitted once per (graph, micro_batches, mesh, temperature).
   """
   fn = _reference_fn(graphdef, int(micro_batches), mesh, tuple(rules), float(temperature))
-  return fn(ref_params, batch["tokens"], batch["positions"], batch["segment_ids"])
+  keys = ("tokens", "positions", "segment_ids", "prev", "kv_end")
+  return fn(ref_params, {k: batch[k] for k in keys if k in batch})

@@ -6,6 +6,10 @@ Padding and segment contract (tested in tests/test_qwen3_model.py):
   never attended to. Logits at pad positions are finite but meaningless.
 - `segment_ids: i32[B, T]` packs several sequences in one row: tokens attend only within their
   segment; segment 0 means padding. Positions must restart per segment (the caller passes them).
+- `kv_end: i32[B, T]` packs trees (`trace_jax.rl.batch`, tree packing): a key at row index k is
+  seen by the queries at indices k..kv_end[k]-1 only. With nodes laid out in preorder, kv_end of a
+  node's tokens is the end of its subtree, so each token attends exactly to its ancestors' tokens
+  and its own node's causal past; positions are then the tokens' depths along their root paths.
 - With a cache, new tokens are written at index `cache["lens"][b] + t`; padding must be on the
   right of each row's chunk, and `lens` advances by the number of real tokens.
 """
@@ -208,12 +212,13 @@ class Qwen3(nnx.Module):
 
   # ---- contiguous forward with an optional KV cache ----------------------------------------------
   def forward(self, tokens, positions=None, cache=None, attn_mask=None, segment_ids=None,
-              collect_hidden=False, compute_logits=True, remat: str = "none"):
+              collect_hidden=False, compute_logits=True, remat: str = "none", kv_end=None):
     """tokens: i32[B, T] -> dict(logits f32[B,T,V], hidden [B,T,D], cache, hidden_states).
 
     compute_logits=False skips the vocabulary projection (logits None), for callers that need
     logits at a few positions only (`self.logits(hidden[...])`). remat ("none" | "full" | "dots",
-    see `run_layers`) applies to the cache-free (training) forward only.
+    see `run_layers`) applies to the cache-free (training) forward only. kv_end (i32[B, T], see the
+    module docstring) narrows the cache-free mask to each key's subtree (packed trees).
     """
     maybe_logits = self.logits if compute_logits else (lambda h: None)
     b, t = tokens.shape
@@ -227,6 +232,8 @@ class Qwen3(nnx.Module):
       mask = causal[None] & attn_mask[:, None, :]
       if segment_ids is not None:
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+      if kv_end is not None:
+        mask &= jnp.arange(t)[None, :, None] < kv_end[:, None, :]
       mask |= jnp.eye(t, dtype=bool)[None]  # keeps pad rows finite
 
       def attend(i, q, k, v):
@@ -235,6 +242,8 @@ class Qwen3(nnx.Module):
       hidden, hs, _ = self.run_layers(tokens, positions, attend, collect_hidden, remat)
       return dict(logits=maybe_logits(hidden), hidden=hidden, cache=None, hidden_states=hs)
 
+    if kv_end is not None:
+      raise ValueError("kv_end (packed trees) is for the cache-free forward only")
     lens = cache["lens"]
     if positions is None:
       positions = lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
