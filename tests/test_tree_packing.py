@@ -39,8 +39,8 @@ def unpacked(trees, kind="tree_contrastive", row_len=64, **kw):
 
 
 def test_row_buckets():
-  assert row_buckets(80, 4) == [4, 8, 12, 16, 24, 32, 48, 64, 80]
-  assert row_buckets(512, 32) == [32, 64, 96, 128, 192, 256, 384, 512]
+  assert row_buckets(80, 4) == list(range(4, 68, 4)) + [72, 80]
+  assert row_buckets(4096, 8)[14:20] == [120, 128, 144, 168, 192, 216]
   assert row_buckets(10, 4) == [4, 8, 12]  # the cap rounded up to the multiple
   assert row_buckets(4, 8) == [8]
 

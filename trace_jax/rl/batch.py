@@ -129,102 +129,123 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
                      max_nodes: int, normalize: bool = True, pred_leaf_weight: float = 0.0,
                      values: str = "children"):
   """Tree-packed units (`rl.packing=tree`, see the module docstring): the same trained tokens,
-  advantages, old log-probs and predictor targets as `build_sequences`, each node's tokens once.
+  advantages, old log-probs and predictor targets as `build_sequences`, each node's tokens once
+  per unit. A unit fills one row of `row_len` tokens and may hold parts of several trees.
 
-  A tree's leaves (in preorder) are grouped greedily: a leaf joins the current unit while the union
-  of the unit's root-to-leaf paths stays within `row_len` tokens and `max_nodes` nodes, else it
-  starts the next unit (which repeats the ancestors it shares with earlier units, untrained there).
-  A path longer than `row_len` is cut there, as `pack_batch` cuts a long sequence: the cut tokens
-  are untrained in both layouts. Predictor entries are emitted only where they are weighted (a
+  Leaves are placed one at a time (trees largest first, each tree's leaves in preorder) into the
+  unit where they add the fewest tokens (the nodes of their root path the unit does not hold yet
+  for that tree), ties to the fullest unit, within `row_len` tokens and `max_nodes` nodes; a new
+  unit is opened when none fits. So a tree stays whole when it fits a row, and a split tree
+  repeats only the ancestors its later units need (computed again there, trained once). A path
+  longer than `row_len` is cut there, as `pack_batch` cuts a long sequence: the cut tokens are
+  untrained in both layouts. Predictor entries are emitted only where they are weighted (a
   node's first unit), one per node.
 
   Returns (list of unit dicts, flat, node_adv). A unit dict has the fields of a `build_sequences`
-  sequence (tokens, mask, adv, old_logp, prompt_len, pred_pos, pred_target, pred_weight) plus
-  positions, prev and kv_end (i32[L], indices within the unit) and `leaves`, its leaf count.
+  sequence (tokens, mask, adv, old_logp, pred_pos, pred_target, pred_weight) plus positions, prev
+  and kv_end (i32[L], indices within the unit), pred_pstart / pred_plen (each entry's prompt
+  within the unit) and `leaves`, its leaf count.
   """
   flat = to_flat(trees)
   adv = node_advantages(flat, kind, max_depth, normalize, values=values)
-  units, offset = [], 0
+  info, offset = [], 0
   for t in trees:
-    targets, _ = rollout_values(t)
     start = [0] * len(t.nodes)  # depth position of each node's first token on its root path
     for n in t.nodes[1:]:
       start[n.id] = start[n.parent] + t.nodes[n.parent].num_tokens
-    clip = {n.id: max(min(n.num_tokens, row_len - start[n.id]), 0) for n in t.nodes}
+    clip = [max(min(n.num_tokens, row_len - start[n.id]), 0) for n in t.nodes]
     leaves = [nid for nid in _preorder(t, set(range(len(t.nodes)))) if t.nodes[nid].done]
-    groups, cur, cur_len = [], [], 0
-    cur_nodes: set = set()
-    for leaf in leaves:
-      path = [nid for nid in t.path(leaf) if start[nid] < row_len or nid == 0]
-      new = [nid for nid in path if nid not in cur_nodes]
-      add = sum(clip[nid] for nid in new)
-      if cur and (cur_len + add > row_len or len(cur_nodes) + len(new) > max_nodes):
-        groups.append((cur, cur_nodes))
-        cur, cur_nodes = [], set()
-        new, add = path, sum(clip[nid] for nid in path)
-      cur.append(leaf)
-      cur_nodes |= set(new)
-      cur_len = sum(clip[nid] for nid in cur_nodes)
-    if cur:
-      groups.append((cur, cur_nodes))
-    owned: set = set()
-    for group_leaves, nodes in groups:
+    paths = [[nid for nid in t.path(leaf) if start[nid] < row_len or nid == 0] for leaf in leaves]
+    size = sum(clip[i] for i in set().union(*paths)) if paths else 0
+    info.append((t, offset, start, clip, paths, size))
+    offset += len(t.nodes)
+
+  # Placement: per unit, its token count, node count and {tree index: node set}.
+  units_at: list[list] = []
+  for ti in sorted(range(len(info)), key=lambda i: -info[i][5]):
+    t, _, _, clip, paths, _ = info[ti]
+    for path in paths:
+      best = None
+      for ui, (used, count, held) in enumerate(units_at):
+        have = held.get(ti, ())
+        new = [nid for nid in path if nid not in have]
+        add = sum(clip[nid] for nid in new)
+        if used + add <= row_len and count + len(new) <= max_nodes:
+          key = (add, row_len - used - add)
+          if best is None or key < best[0]:
+            best = (key, ui, new, add)
+      if best is None:
+        units_at.append([0, 0, {}])
+        best = (None, len(units_at) - 1, path, sum(clip[nid] for nid in path))
+      _, ui, new, add = best
+      units_at[ui][0] += add
+      units_at[ui][1] += len(new)
+      units_at[ui][2].setdefault(ti, set()).update(new)
+      units_at[ui][2].setdefault("leaves", [0])[0] += 1
+
+  owned: set = set()  # (tree index, node id): trained in the first unit that holds it
+  units = []
+  for used, _, held in units_at:
+    u = dict(tokens=np.zeros(used, np.int32), mask=np.zeros(used, np.float32),
+             adv=np.zeros(used, np.float32), old_logp=np.zeros(used, np.float32),
+             positions=np.zeros(used, np.int32), prev=np.zeros(used, np.int32),
+             kv_end=np.zeros(used, np.int32), leaves=held.pop("leaves")[0])
+    preds = {k: [] for k in ("pred_pos", "pred_target", "pred_weight", "pred_pstart",
+                             "pred_plen")}
+    at = 0
+    for ti, nodes in held.items():
+      t, toff, start, clip, _, _ = info[ti]
+      targets, _ = rollout_values(t)
       order = _preorder(t, nodes)
-      at, first, last = 0, {}, {}
+      first, last, base = {}, {}, at
       for nid in order:
         first[nid], at = at, at + clip[nid]
-        last[nid] = at - 1 if clip[nid] else (last[t.nodes[nid].parent] if nid else 0)
-      size = at
-      end = dict(first)  # subtree end: the last preorder descendant's end
+        last[nid] = at - 1 if clip[nid] else (last[t.nodes[nid].parent] if nid else base)
+      end = {nid: first[nid] + clip[nid] for nid in order}  # subtree ends, leaves up
       for nid in reversed(order):
-        end[nid] = max(end[nid], first[nid] + clip[nid])
-        par = t.nodes[nid].parent
-        if nid and par in end:
+        if nid:
+          par = t.nodes[nid].parent
           end[par] = max(end[par], end[nid])
-      u = dict(tokens=np.zeros(size, np.int32), mask=np.zeros(size, np.float32),
-               adv=np.zeros(size, np.float32), old_logp=np.zeros(size, np.float32),
-               positions=np.zeros(size, np.int32), prev=np.zeros(size, np.int32),
-               kv_end=np.zeros(size, np.int32), prompt_len=min(len(t.prompt_ids), row_len),
-               leaves=len(group_leaves))
-      pos, tgt, w = [], [], []
       for nid in order:
         n, k, a = t.nodes[nid], clip[nid], first[nid]
         if k:
           sl = slice(a, a + k)
-          u["tokens"][sl] = (n.gen_ids + n.obs_ids)[:k]
           gen = np.arange(k) < len(n.gen_ids)
+          u["tokens"][sl] = (n.gen_ids + n.obs_ids)[:k]
           u["old_logp"][sl] = np.where(gen, np.asarray(list(n.logprobs) + [0.0] * len(n.obs_ids),
                                                        np.float32)[:k], 0.0)
-          u["adv"][sl] = np.where(gen, adv[nid + offset], 0.0)
-          if nid not in owned:
+          u["adv"][sl] = np.where(gen, adv[nid + toff], 0.0)
+          if (ti, nid) not in owned:
             u["mask"][sl] = gen
           u["positions"][sl] = start[nid] + np.arange(k)
           u["prev"][sl] = np.arange(a - 1, a + k - 1)
           u["prev"][a] = last[n.parent] if nid else a
           u["kv_end"][sl] = end[nid]
         v = targets[nid]
-        if nid not in owned and v is not None and start[nid] + n.num_tokens <= row_len:
-          wt = pred_leaf_weight if n.done else 1.0
-          if wt > 0:
-            pos.append(last[nid])
-            tgt.append(float(v))
-            w.append(wt)
-        owned.add(nid)
-      u.update(pred_pos=np.asarray(pos, np.int32), pred_target=np.asarray(tgt, np.float32),
-               pred_weight=np.asarray(w, np.float32))
-      units.append(u)
-    offset += len(t.nodes)
+        wt = pred_leaf_weight if n.done else 1.0
+        if ((ti, nid) not in owned and v is not None and start[nid] + n.num_tokens <= row_len
+            and wt > 0):
+          for key, val in zip(preds, (last[nid], float(v), wt, base,
+                                      min(len(t.prompt_ids), row_len))):
+            preds[key].append(val)
+        owned.add((ti, nid))
+    for key, vals in preds.items():
+      u[key] = np.asarray(vals, np.float32 if key in ("pred_target", "pred_weight") else np.int32)
+    units.append(u)
   return units, flat, adv
 
 
 def row_buckets(cap: int, multiple: int) -> list[int]:
-  """The compiled row counts of tree-packed updates: multiples of `multiple` (micro-batches x
-  shards x minibatches) growing by about 1.5x (1, 2, 3, 4, 6, 8, 12, ... times it), and `cap`
-  itself (rounded up to the multiple), so a batch pads at most about a third and a run compiles
-  a handful of shapes. 80 rows in multiples of 4 -> [4, 8, 12, 16, 24, 32, 48, 64, 80]."""
+  """The compiled row counts of tree-packed updates: every multiple of `multiple` (micro-batches
+  x shards x minibatches) up to 16 of them, then steps of about 1/8, and `cap` itself (rounded up
+  to the multiple). A batch pads at most one multiple (or an eighth) of rows, and since a run's
+  batches vary by a few rows it compiles a handful of shapes.
+  80 rows in multiples of 4 -> [4, 8, ..., 60, 64, 72, 80]."""
   cap = -(-max(int(cap), 1) // multiple) * multiple
-  steps = sorted({1} | {f << j for f in (2, 3) for j in range(40) if (f << j) * multiple < cap})
-  out = [k * multiple for k in steps if k * multiple < cap]
+  out, k = [], 1
+  while k * multiple < cap:
+    out.append(k * multiple)
+    k = k + 1 if k < 16 else max(k + 1, -(-k * 9 // 8))
   return out + [cap]
 
 
@@ -303,8 +324,12 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       b["pred_pos"][r, ap:ap + P] = q["pred_pos"][keep] + at
       b["pred_target"][r, ap:ap + P] = q["pred_target"][keep]
       b["pred_weight"][r, ap:ap + P] = q["pred_weight"][keep]
-      b["pred_pstart"][r, ap:ap + P] = at  # the segment's prompt, for prompt-mean features
-      b["pred_plen"][r, ap:ap + P] = min(int(q.get("prompt_len", 0)), L)
+      if "pred_pstart" in q:  # a unit: each entry's own tree's prompt
+        b["pred_pstart"][r, ap:ap + P] = q["pred_pstart"][keep] + at
+        b["pred_plen"][r, ap:ap + P] = q["pred_plen"][keep]
+      else:  # the segment's prompt, for prompt-mean features
+        b["pred_pstart"][r, ap:ap + P] = at
+        b["pred_plen"][r, ap:ap + P] = min(int(q.get("prompt_len", 0)), L)
       at += L
       ap += P
   info = dict(rows=len(rows), padded_rows=n_rows, sequences=len(seqs), cut_sequences=cut,
