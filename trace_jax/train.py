@@ -309,6 +309,8 @@ def init_state(run: Run) -> LoopState:
   train_state = init_train_state(run.init_params, run.init_pred_params, run.update_cfg)
   if run.shardings is not None:
     train_state = place_state(train_state, run.shardings)
+  else:  # committed, as the update's outputs are: else its second call compiles it again
+    train_state = jax.device_put(train_state, jax.devices()[0])
   return LoopState(train=train_state)
 
 
@@ -367,6 +369,8 @@ def restore(run: Run) -> LoopState | None:
   train_state, meta = run.ckpt.restore(target.train)
   if run.shardings is not None:
     train_state = place_state(train_state, run.shardings)
+  else:
+    train_state = jax.device_put(train_state, jax.devices()[0])
   state = LoopState(train=train_state, step=int(meta["step"]),
                     totals=dict(meta.get("totals", target.totals)),
                     evals=dict(meta.get("evals", {})),
