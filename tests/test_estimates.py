@@ -4,36 +4,23 @@ ledger when it steers, and the head fit on the slice with a holdout and an ensem
 streamed, so the options are checked together)."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
 
-from test_strategy_plugin import mhqa
-from test_train_smoke import smoke_args, smoke_run
+from test_train_smoke import ROOT, smoke_config
 from trace_jax.allocation import strategies
 from trace_jax.config import driver_config
 from trace_jax.sampling.tree import Tree
 
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+
+import mhqa  # noqa: E402
+
 
 def _config(tmp_path, tmp_path_factory, method="trace_tree", **sections):
-  """The smoke test's config (its warm start reused from its cache), one RL step, `method`, and
-  `sections` overrides written section__field=value."""
-  base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])
-  c = mhqa.get_config("smoke")
-  for arg in smoke_args(base, 1)[1:]:
-    key, value = arg[2:].split("=", 1)
-    if key == "workdir":
-      continue
-    *path, last = key.split(".")[1:]
-    target = c
-    for k in path:
-      target = target[k]
-    target[last] = type(target[last])(value)
-  c.method, c.workdir, c.rl.steps = method, str(tmp_path / "run"), 1
-  for dotted, value in sections.items():
-    sec, key = dotted.split("__")
-    c[sec][key] = value
-  return mhqa.validate(c)
+  return smoke_config(tmp_path_factory, tmp_path / "run", method, **sections)
 
 
 def test_minibatch_order_covers_every_row_once_per_epoch():
@@ -106,6 +93,10 @@ def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
   assert rec["ledger_rollouts_started"] > c.rollout.root_budget
   assert "root_concentration_mean" in rec and "stage1_posterior_mixed" in rec
   assert rec["stage2_streamed"] == 1.0 and rec["stage2_decisions"] >= 1
+  rng = np.random.default_rng(0)  # the smoke policy rarely succeeds: outcomes drawn, so the
+  for t in sample.trees:          # policy gradient is not zero and the policy moves
+    for leaf in t.leaves():
+      leaf.reward = float(rng.random() < 0.5)
   state, rec = train.update_step(run, state, sample, rec)
   assert rec["optimizer_steps"] == 4.0
   assert np.isfinite(rec["loss"]) and rec["finite"] == 1.0

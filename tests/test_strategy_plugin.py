@@ -1,19 +1,12 @@
 """A method is one module: a strategy defined here, registered by name, trains a step of the real
 loop (the smoke world and warm start of `test_train_smoke`) with no other file touched."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-from test_train_smoke import PREFIX_BUDGET, ROOT, ROOT_BUDGET, smoke_args, smoke_run
+from test_train_smoke import PREFIX_BUDGET, ROOT_BUDGET, smoke_config
 from trace_jax.allocation import strategies
 from trace_jax.allocation.strategies import RootPlan, Strategy
-
-sys.path.insert(0, os.path.join(ROOT, "configs"))
-
-import mhqa  # noqa: E402
 
 
 class DeepestAnchor(Strategy):
@@ -47,32 +40,13 @@ def registered():
   assert DeepestAnchor.name not in strategies.names()
 
 
-def _config(base, workdir):
-  """The smoke test's config (its warm start is reused from its cache), method = the toy."""
-  c = mhqa.get_config("smoke")
-  for arg in smoke_args(base, 1)[1:]:
-    key, value = arg[2:].split("=", 1)
-    if key == "workdir":
-      continue
-    node, *path = key.split(".")[1:]
-    target = c
-    for k in [node, *path][:-1]:
-      target = target[k]
-    last = [node, *path][-1]
-    target[last] = type(target[last])(value)
-  c.method, c.workdir = DeepestAnchor.name, workdir
-  c.rl.steps = 1
-  return mhqa.validate(c)
-
-
 @pytest.mark.slow
 def test_a_registered_toy_strategy_trains_a_step(registered, tmp_path, tmp_path_factory):
   from trace_jax import train
 
   with pytest.raises(ValueError, match="already registered"):
     strategies.register(type("Clash", (Strategy,), {"name": "grpo"}))
-  base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])
-  c = _config(base, str(tmp_path / "run"))
+  c = smoke_config(tmp_path_factory, tmp_path / "run", DeepestAnchor.name)
   run = train.build(c)
   assert type(run.driver.strategy) is DeepestAnchor
   state = train.init_state(run)

@@ -53,6 +53,30 @@ def smoke_args(base, steps):
           "--config.eval.probe_prompts=2"]
 
 
+def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
+  """The smoke run's config as a typed `TrainConfig` (its warm start reused from the session's
+  smoke cache), one RL step, `method`, and `sections` overrides written section__field=value."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mhqa
+
+  base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])
+  c = mhqa.get_config("smoke")
+  for arg in smoke_args(base, 1)[1:]:
+    key, value = arg[2:].split("=", 1)
+    if key == "workdir":
+      continue
+    *path, last = key.split(".")[1:]
+    target = c
+    for k in path:
+      target = target[k]
+    target[last] = type(target[last])(value)
+  c.method, c.workdir, c.rl.steps = method, str(workdir), 1
+  for dotted, value in sections.items():
+    sec, key = dotted.split("__")
+    c[sec][key] = value
+  return mhqa.validate(c)
+
+
 _RUNS = {}
 
 

@@ -165,10 +165,10 @@ def test_packed_gradients_on_the_8_device_mesh():
 def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
   """The smoke config's first RL step, one sample, both layouts of the train loop
   (`training_units` + `pack_rows` + the run's jitted update): same loss, gradient norm, tokens."""
-  from test_estimates import _config
+  from test_train_smoke import smoke_config
   from trace_jax import train
 
-  c = _config(tmp_path, tmp_path_factory, rl__packing="tree")
+  c = smoke_config(tmp_path_factory, tmp_path / "run", rl__packing="tree")
   run = train.build(c)
   state = train.init_state(run)
   sample, rec = train.sample_step(run, state)
