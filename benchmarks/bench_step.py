@@ -32,21 +32,22 @@ from absl import app, flags  # noqa: E402
 _CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
 _SETTINGS = flags.DEFINE_string(
     "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,tree_grpo:batch,tree_grpo:stream",
-    "comma-separated method:stage2")
+    "comma-separated method:stage2[:deadline] (deadline: rollout.stage2_deadline, stream only)")
 _STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
 _OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
 
 
-def measure(method: str, stage2: str, variant: str, steps: int, warmup: int) -> dict:
+def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
+            deadline: float = 0.0) -> dict:
   import mhqa
 
   from trace_jax import train
 
   c = mhqa.get_config(variant)
-  c.method, c.rollout.stage2 = method, stage2
-  c.workdir = f"/tmp/bench_step/{method}-{stage2}"
+  c.method, c.rollout.stage2, c.rollout.stage2_deadline = method, stage2, deadline
+  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}"
   c = mhqa.validate(c)
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
@@ -62,7 +63,8 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int) -> 
     return float(np.median(vals)) if vals else None
 
   util = [r["ledger_busy_slot_steps"] / max(r["ledger_total_slot_steps"], 1) for r in recs]
-  return dict(method=method, stage2=stage2, off_policy_steps=0, steps=len(recs),
+  return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=0,
+              steps=len(recs),
               slot_utilization=float(np.median(util)),
               decode_steps_per_step=med("ledger_decode_steps"),
               prefill_tokens_per_step=med("ledger_prefill_tokens"),
@@ -78,8 +80,9 @@ def main(argv):
   del argv
   rows = []
   for setting in _SETTINGS.value.split(","):
-    method, stage2 = setting.split(":")
-    row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value)
+    method, stage2, *deadline = setting.split(":")
+    row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value,
+                  float(deadline[0]) if deadline else 0.0)
     if _NO_TIMING.value:
       row.update(sample_s=None, update_s=None)
     rows.append(row)
@@ -95,7 +98,8 @@ def main(argv):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  labels = [f"{r['method']}\n{r['stage2']}" for r in rows]
+  labels = [f"{r['method']}\n{r['stage2']}"
+            + (f" dl {r['stage2_deadline']:g}" if r.get("stage2_deadline") else "") for r in rows]
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
   axes[0].bar(labels, [r["slot_utilization"] for r in rows], color="tab:blue")
   axes[0].axhline(0.85, color="grey", ls="--", lw=0.8)

@@ -12,8 +12,9 @@ batch decision's anchor estimates: `trace_tree` by the tree-aware objective, `tr
 sum_h (1 - q_h^k_h). Reported per step and as a median: the streamed value over the batch value,
 the continuations each spent, and the number of groups; the median also over the priced steps
 only (the first step has no price yet and takes fair shares). `--max_share=1,2,3` compares the
-cap on a priced group's take (in fair shares). No timing: the machine may be busy.
-Writes results/stream_allocation.json (and .png: the ratio per step and method).
+cap on a priced group's take (in fair shares), `--deadlines=0,0.25` the share of trees still
+running at which the budget left is spent (`rollout.stage2_deadline`). No timing: the machine
+may be busy. Writes results/stream_allocation.json (and .png: the ratio per step and method).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _METHODS = flags.DEFINE_string("methods", "trace_tree,trace", "methods with a pr
 _OUT = flags.DEFINE_string("out", "results/stream_allocation", "output stem")
 _MAX_SHARE = flags.DEFINE_string("max_share", "", "comma-separated `_Stage2.max_share` values to "
                                  "compare (default: the driver's)")
+_DEADLINES = flags.DEFINE_string("deadlines", "0", "comma-separated `rollout.stage2_deadline` "
+                                 "values to compare (0: the last group spends what is left)")
 
 
 def objective(method, cfg, trees, cands, counts, p_anchor, outcomes) -> float:
@@ -66,6 +69,8 @@ def main(argv):
   rows = []
   shares = [float(x) for x in _MAX_SHARE.value.split(",")] if _MAX_SHARE.value else [
       _Stage2.max_share]
+  deadlines = [float(x) for x in _DEADLINES.value.split(",")]
+  variants = [(s, d) for s in shares for d in deadlines]
   for method in _METHODS.value.split(","):
     dcfg = dataclasses.replace(run.driver.cfg, method=method, metric_slice=0)
     driver = RolloutDriver(run.engine, dcfg, predict, run.engine.prompt_features, seed=c.seed)
@@ -84,7 +89,8 @@ def main(argv):
         p_anchor, outcomes = anchor_estimates(driver, trees, cands, True)
         vb = objective(method, dcfg, trees, cands, batch, p_anchor, outcomes)
         used = driver.stage2_price()
-        for share in shares:
+        for share, deadline in variants:
+          driver.cfg = dataclasses.replace(dcfg, stage2_deadline=deadline)
           stream = _Stage2(driver, True, len(trees))
           stream.max_share = share
           for g in groups:
@@ -92,7 +98,9 @@ def main(argv):
           got = dict(zip(stream.cands, stream.conts))
           streamed = np.asarray([got.get(tuple(cd), 0) for cd in cands], np.int32)
           vs = objective(method, dcfg, trees, cands, streamed, p_anchor, outcomes)
-          rows.append(dict(method=method, max_share=share, step=step, trees=len(trees),
+          driver.cfg = dcfg
+          rows.append(dict(method=method, max_share=share, deadline=deadline, step=step,
+                           trees=len(trees),
                            groups=len(groups), candidates=len(cands), batch_value=vb,
                            stream_value=vs, ratio=vs / vb if vb > 0 else 1.0,
                            batch_continuations=int(batch.sum()),
@@ -104,9 +112,12 @@ def main(argv):
       finally:
         run.engine.release(trees)
   summary = {}
-  for method, share in [(m, x) for m in _METHODS.value.split(",") for x in shares]:
-    rs = [r for r in rows if r["method"] == method and r["max_share"] == share]
-    summary[f"{method}, max_share {share:g}"] = dict(
+  for method, (share, deadline) in [(m, v) for m in _METHODS.value.split(",")
+                                     for v in variants]:
+    rs = [r for r in rows if r["method"] == method and r["max_share"] == share
+          and r["deadline"] == deadline]
+    key = f"{method}, max_share {share:g}" + (f", deadline {deadline:g}" if deadline else "")
+    summary[key] = dict(
         median_ratio=float(np.median([r["ratio"] for r in rs])),
         median_ratio_priced=float(np.median([r["ratio"] for r in rs if r["price_used"] is not None]
                                             or [np.nan])),
@@ -127,8 +138,9 @@ def main(argv):
 
   fig, ax = plt.subplots(figsize=(6, 3.5))
   for key in summary:
-    method, share = key.split(", max_share ")
-    rs = [r for r in rows if r["method"] == method and f"{r['max_share']:g}" == share]
+    method = key.split(", ")[0]
+    rs = [r for r in rows if r["method"] == method and key == f"{method}, max_share "
+          f"{r['max_share']:g}" + (f", deadline {r['deadline']:g}" if r["deadline"] else "")]
     ax.plot([r["step"] for r in rs], [r["ratio"] for r in rs], marker="o", label=key)
   ax.axhline(0.95, color="grey", ls="--", lw=0.8)
   ax.set(xlabel="RL step's prompts", ylabel="streamed / batch objective",

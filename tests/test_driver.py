@@ -235,6 +235,22 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
       assert sum(one.conts) <= PREFIX_BUDGET and one.left >= 0
       assert sorted(one.cands) == sorted(cands)  # the same anchors, decided group by group
       assert one.on_done([trees[0]]) == []  # a tree is decided once
+    # A deadline of 1/2: once at most half the trees still run (after the second of three), that
+    # group spends everything left; the third tree is recorded with zero continuations.
+    dl = RolloutDriver(engine, DriverConfig(method=method, stage2="stream",
+                                            stage2_deadline=0.5, **CFG), predict,
+                       prompt_features, seed=0)
+    late = _Stage2(dl, True, len(trees))
+    late.on_done([trees[0]])
+    forks = late.on_done([trees[1]])
+    assert late.closed and late.shares[-1] == PREFIX_BUDGET - sum(
+        late.conts[:len(dl.strategy.candidates([trees[0]]))])
+    assert sum(f.k for f in forks) <= late.shares[-1]
+    n_before = len(late.cands)
+    assert late.on_done([trees[2]]) == [] and late.shares[-1] == 0
+    assert len(late.cands) > n_before and not any(late.conts[n_before:])
+    assert sorted(late.cands) == sorted(cands)
+    assert late.left == PREFIX_BUDGET - sum(late.conts) >= 0
   finally:
     engine.release(trees)
 

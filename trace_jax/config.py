@@ -119,6 +119,7 @@ class RolloutSection:
   discovery_beta: float
   anchors: str
   stage2: str
+  stage2_deadline: float
 
 
 @dataclasses.dataclass(frozen=True)

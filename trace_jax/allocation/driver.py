@@ -50,6 +50,9 @@ class DriverConfig:
   calibrate_window: int = 8       # outcomes of the last this many steps (needs metric_slice > 0),
   calibrate_prior: float = 10.0   # with the identity map worth this many pairs
   stage2: str = "batch"           # batch | stream (per tree as its stage 1 ends; rollouts budget)
+  stage2_deadline: float = 0.0    # stream: once at most this share of the stage-1 trees still
+  #                                 runs, the group finishing spends all the budget left (0: the
+  #                                 last group does), so no continuation starts in stage 1's tail
   root_objective: str = "paper"   # paper | posterior | discovery (`allocators.root_value_table`)
   root_concentration: float = 8.0  # κ of p ~ Beta(κ p̂, κ (1 - p̂)) without a head ensemble
   discovery_beta: float = 0.5     # discovery: weight of the information gain (nats)
@@ -338,8 +341,12 @@ class _Stage2:
   objective (rule-based methods), the budget left times the group's share of the trees still
   undecided. The last group gets everything left, so the continuations never exceed
   `prefix_budget` and the budget is spent, and when every tree finishes at once the single
-  decision is exactly the batch one. The strategy decides within the group (`prefix_counts` on
-  its trees, with the group's budget), so its own rule and estimates apply unchanged.
+  decision is exactly the batch one. With a deadline (`DriverConfig.stage2_deadline` > 0) the
+  "last" group is the one after which at most that share of the trees still runs: it spends what
+  is left, so its continuations overlap stage 1's tail instead of starting after it, and the
+  trees finishing later get none (their candidates are recorded with zero continuations). The
+  strategy decides within the group (`prefix_counts` on its trees, with the group's budget), so
+  its own rule and estimates apply unchanged.
   `benchmarks/stream_allocation.py` measures the value kept against the batch decision.
   """
 
@@ -359,6 +366,7 @@ class _Stage2:
     self.gains: list[np.ndarray] = []  # each group's marginal gains (its value curve's steps)
     self.tail: list = []  # requests to start with the last decision (the random slice)
     self.slice_trees, self.slice_p = [], []
+    self.closed = False  # the last decision is made (every later group gets nothing)
 
   def decide(self, driver, trees, indices, use_predictor: bool, budget: int,
              cands=None) -> list:
@@ -401,11 +409,16 @@ class _Stage2:
     self.decided += len(new)
     d = self.driver
     cands = d.strategy.candidates(new)
+    if self.closed:  # past the deadline: recorded, nothing granted
+      self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, 0, cands)
+      return []
     curve = d.strategy.value_curve(d, new, cands, self.use_predictor, d.cfg.prefix_budget)
     price = d.stage2_price()
     if curve is not None:
       self.gains.append(np.diff(curve))
-    if self.decided >= self.num_trees:  # the last group: everything left
+    running = self.num_trees - self.decided
+    last = running == 0 or running <= d.cfg.stage2_deadline * self.num_trees
+    if last:  # the last group (or the deadline's): everything left
       share = self.left
     elif curve is None or price is None:  # no objective, or no price yet: a fair share
       share = self.left * len(new) // undecided
@@ -417,7 +430,8 @@ class _Stage2:
     forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share,
                         cands)
     self.left -= sum(f.k for f in forks)
-    if self.decided >= self.num_trees and self.tail:
+    self.closed = last
+    if last and self.tail:
       forks, self.tail = forks + self.tail, []
     return forks
 
