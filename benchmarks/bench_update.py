@@ -43,6 +43,13 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "timed update calls per batch and 
 _DEEP_TREES = flags.DEFINE_integer("deep_trees", 16, "trees per deep-tree batch")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "counts and memory only")
 _OUT = flags.DEFINE_string("out", "results/update_bench", "output stem")
+_PACK_ROW_LEN = flags.DEFINE_integer("pack_row_len", 0, "rl.pack_row_len of the tree layout "
+                                     "(0: env.max_seq_len)")
+_WORKLOADS = flags.DEFINE_string("workloads", "default_trace_tree,default_grpo,deep_tree",
+                                 "comma-separated workloads to run")
+_TREES_FROM = flags.DEFINE_string("trees_from", "", "read each method's sampled trees from "
+                                  "<dir>/<method>/trees_<i>.jsonl (an earlier run's) instead of "
+                                  "sampling them")
 
 
 def sample_batches(method: str, variant: str, batches: int):
@@ -58,6 +65,11 @@ def sample_batches(method: str, variant: str, batches: int):
   c.workdir = f"/tmp/bench_update/{method}"
   c = mhqa.validate(c)
   run = train.build(c)
+  if _TREES_FROM.value:
+    from trace_jax.sampling.tree import load_trees
+    return run, train.init_state(run), [
+        load_trees(os.path.join(_TREES_FROM.value, method, f"trees_{i}.jsonl"))
+        for i in range(batches)]
   state = train.probe_warm_start(run, train.init_state(run))
   out = []
   for i in range(batches):
@@ -156,7 +168,8 @@ def layout_batches(run, batches) -> dict:
   for trees in batches:
     for name in LAYOUTS:
       packing = "tree" if name == "tree" else "none"
-      cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing}))
+      cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing,
+                                          "pack_row_len": _PACK_ROW_LEN.value}))
       units = train.training_units(cp, trees)
       if name == "none_bucketed":
         multiple = (c.rl.micro_batches * c.rl.minibatches
@@ -178,8 +191,9 @@ def measure(run, state, batches, repeats: int, timing: bool) -> dict:
   out = {}
   for name, items in per.items():
     rows = [info["padded_rows"] for _, info in items]
-    out[name] = dict(rows=float(np.median(rows)),
-                     slots=float(np.median(rows)) * c.env.max_seq_len,
+    length = items[0][0]["tokens"].shape[1]
+    out[name] = dict(rows=float(np.median(rows)), row_len=length,
+                     slots=float(np.median(rows)) * length,
                      tokens=float(np.median([info["tokens"] for _, info in items])),
                      dropped_sequences=float(sum(i["dropped_sequences"] for _, i in items)))
     batch = max(items, key=lambda x: x[1]["padded_rows"])[0]
@@ -211,6 +225,7 @@ def measure(run, state, batches, repeats: int, timing: bool) -> dict:
 def summarize(m: dict) -> dict:
   u, b, p = m["none"], m["none_bucketed"], m["tree"]
   row = dict(unpacked_rows=u["rows"], unpacked_bucketed_rows=b["rows"], packed_rows=p["rows"],
+             packed_row_len=p["row_len"],
              unpacked_slots=u["slots"], packed_slots=p["slots"], unpacked_tokens=u["tokens"],
              packed_tokens=p["tokens"], unique_tokens=m["unique_tokens"],
              unique_token_ratio=m["unique_tokens"] / p["slots"],
@@ -237,12 +252,19 @@ def main(argv):
   timing = not _NO_TIMING.value
   workloads, sampled = {}, {}
   run = state = None
+  todo = _WORKLOADS.value.split(",")
   for method in ("trace_tree", "grpo"):
+    if f"default_{method}" not in todo and not (method == "trace_tree" and "deep_tree" in todo):
+      continue
     run, state, batches = sample_batches(method, _CONFIG.value, _BATCHES.value)
     sampled[method] = batches
+    if f"default_{method}" not in todo:
+      continue
     workloads[f"default_{method}"] = summarize(measure(run, state, batches, _REPEATS.value,
                                                        timing))
     print(json.dumps({f"default_{method}": workloads[f"default_{method}"]}), flush=True)
+  if "deep_tree" not in todo:
+    return finish(run, workloads, timing)
   rng = np.random.default_rng(0)
   lengths = node_lengths(sampled["trace_tree"])
   vocab = 1 + max(max(nd.gen_ids + nd.obs_ids, default=0) for b in sampled["trace_tree"]
@@ -253,10 +275,15 @@ def main(argv):
   workloads["deep_tree"]["leaves_per_tree"] = float(np.mean([len(t.leaves()) for b in deep
                                                              for t in b]))
   print(json.dumps({"deep_tree": workloads["deep_tree"]}), flush=True)
+  finish(run, workloads, timing)
+
+
+def finish(run, workloads: dict, timing: bool):
   out = dict(command="python benchmarks/bench_update.py " + " ".join(sys.argv[1:]),
              machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
              config=_CONFIG.value, timing=timing, repeats=_REPEATS.value,
-             row_len=run.c.env.max_seq_len, train_rows=run.c.rl.train_rows,
+             row_len=run.c.env.max_seq_len, pack_row_len=_PACK_ROW_LEN.value,
+             train_rows=run.c.rl.train_rows,
              targets=dict(default_trace_tree_speedup=1.6, default_grpo_speedup=1.3,
                           deep_tree_speedup=2.5, proportionality=1.25),
              workloads=workloads)
@@ -284,7 +311,7 @@ def plot(workloads: dict, path: str, timing: bool):
   ax.plot(x, [workloads[n]["unique_tokens"] for n in names], "k_", ms=30, mew=2,
           label="unique tokens")
   ax.set(xticks=x, xticklabels=names, title="token slots computed per update")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="lower left")
   if timing:
     ax = axes[0, 1]
     ax.bar(x - 0.27, [workloads[n]["unpacked_s"] for n in names], 0.27, label="unpacked")
@@ -294,8 +321,9 @@ def plot(workloads: dict, path: str, timing: bool):
     for i, n in enumerate(names):
       ax.text(i, max(workloads[n]["unpacked_s"], workloads[n]["packed_s"]),
               f"{workloads[n]['speedup']:.2f}x", ha="center", va="bottom", fontsize=9)
-    ax.set(xticks=x, xticklabels=names, title="update step, seconds (median)")
-    ax.legend(fontsize=8)
+    ax.set(xticks=x, xticklabels=names, title="update step, seconds (median)",
+           ylim=(0, 1.2 * max(workloads[n]["unpacked_s"] for n in names)))
+    ax.legend(fontsize=7, loc="lower left")
   for a in axes.flat:
     a.tick_params(axis="x", labelsize=8)
   fig.tight_layout()

@@ -201,6 +201,9 @@ def validate(c: TrainConfig) -> None:
   _choice(c, "rl.remat", ("none", "full", "dots"))
   _choice(c, "rl.tree_values", VALUE_ESTIMATORS)
   _choice(c, "rl.packing", PACKINGS)
+  if c.rl.pack_row_len and c.rl.pack_row_len < c.env.max_seq_len:
+    raise ValueError(f"rl.pack_row_len={c.rl.pack_row_len} must be 0 or at least env.max_seq_len="
+                     f"{c.env.max_seq_len} (a root path must fit one row)")
   _at_least(c, "rl.ppo_epochs", 1)
   _at_least(c, "rl.minibatches", 1)
   _at_least(c, "rl.predictor_ensemble", 1)

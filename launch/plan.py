@@ -23,7 +23,7 @@ from ml_collections import config_flags  # noqa: E402
 from trace_jax.models.qwen3 import get_preset  # noqa: E402
 from trace_jax.parallel.micro_batch import padded_rows  # noqa: E402
 from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
-from trace_jax.train import preds_per_row  # noqa: E402
+from trace_jax.train import preds_per_row, row_len  # noqa: E402
 from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
                             format_table, plan_memory)
 
@@ -51,6 +51,7 @@ def _settings(c, **over) -> dict:
            train_rows=c.rl.train_rows, micro_batches=c.rl.micro_batches, remat=c.rl.remat,
            minibatches=c.rl.minibatches,
            kl_coef=c.rl.kl_coef, preds_per_row=preds_per_row(c), packing=c.rl.packing,
+           update_seq_len=row_len(c),
            predictor_hidden=c.model.predictor_hidden, kv_pool=_KV_POOL.value)
   s.update(over)
   return s
@@ -59,9 +60,12 @@ def _settings(c, **over) -> dict:
 def _plan(cfg, mesh: str, s: dict):
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
+  # Longer packed rows: as many token slots in fewer rows (`train.pack_rows`'s cap).
+  useq = s.get("update_seq_len") or s["seq_len"]
   return plan_memory(cfg, mesh, num_pages=s["num_pages"], page_size=s["page_size"],
-                     seq_len=s["seq_len"], rows=_rows(s["train_rows"], s["micro_batches"], dp,
-                                                   s.get("minibatches", 1)),
+                     seq_len=s["seq_len"], update_seq_len=useq,
+                     rows=_rows(-(-s["train_rows"] * s["seq_len"] // useq), s["micro_batches"],
+                                dp, s.get("minibatches", 1)),
                      micro_batches=s["micro_batches"], num_slots=s["num_slots"],
                      remat=s["remat"], kl_coef=s["kl_coef"], kv_pool=s["kv_pool"],
                      preds_per_row=s["preds_per_row"], predictor_hidden=s["predictor_hidden"],

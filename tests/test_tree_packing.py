@@ -130,6 +130,23 @@ def test_packed_loss_and_gradients_equal_unpacked(kind, row_len, prompt_mean):
   assert float(m0["kl_ref"]) > 0 and float(m0["num_tokens"]) > 0  # the terms are really on
 
 
+def test_longer_packed_rows_cut_paths_where_the_unpacked_rows_end():
+  """`rl.pack_row_len` above `env.max_seq_len`: rows of 64 keep whole trees, paths still cut at
+  20 as in 20-token unpacked rows; same loss and gradients, fewer tokens computed."""
+  g, hg, p, hp = _setup()
+  cfg = UpdateConfig()
+  state = init_train_state(p, hp, cfg)
+  trees = forest(seed=6)
+  a, ia = unpacked(trees, "tree_grpo", 20)
+  units, _, _ = build_tree_units(trees, "tree_grpo", 8, 64, 64, cut_len=20)
+  b, ib = pack_batch(units, 64, 64, row_multiple=1)
+  assert ia["cut_sequences"] > 0 and ib["tokens"] < packed(trees, "tree_grpo", 20)[1]["tokens"]
+  (l0, m0, g0), (l1, m1, g1) = [jax.jit(make_grad_fn(g, hg, cfg))(state, x) for x in (a, b)]
+  assert float(l1) == pytest.approx(float(l0), rel=1e-5)
+  assert float(m1["num_tokens"]) == float(m0["num_tokens"])
+  assert _rel_err(g0, g1) < 1e-5
+
+
 def test_packed_micro_batches_sum_to_the_full_batch():
   g, hg, p, hp = _setup()
   trees = forest(seed=4, n=8)
@@ -189,3 +206,26 @@ def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
     assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-4, abs=1e-7), k
   assert float(m0["grad_norm"]) > 0 and float(m0["pg_loss"]) != 0
   assert i1["tokens"] < i0["tokens"] and i1["padded_rows"] <= i0["padded_rows"]
+
+
+def test_packing_options_are_checked():
+  import os
+  import sys
+
+  from test_train_smoke import ROOT
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mhqa
+
+  from trace_jax import train
+
+  c = mhqa.get_config("tiny")
+  c.rl.packing = "trees"
+  with pytest.raises(ValueError, match="rl.packing"):
+    mhqa.validate(c)
+  c.rl.packing, c.rl.pack_row_len = "tree", 100
+  with pytest.raises(ValueError, match="pack_row_len"):
+    mhqa.validate(c)
+  c.rl.pack_row_len = 1536
+  t = mhqa.validate(c)
+  assert train.row_len(t) == 1536 and train.preds_per_row(t) == 4 * train.preds_per_row(
+      mhqa.validate(mhqa.get_config("tiny")))

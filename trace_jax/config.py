@@ -154,6 +154,7 @@ class RLSection:
   predictor_holdout: float
   predictor_ensemble: int
   packing: str
+  pack_row_len: int
 
 
 @dataclasses.dataclass(frozen=True)

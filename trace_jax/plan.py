@@ -363,13 +363,15 @@ def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, 
                 micro_batch_seqs: int | None = None, num_slots: int = 256, remat: str = "none",
                 kl_coef: float = 0.0, kv_pool: str = "main", master_dtype="float32",
                 preds_per_row: int = 18, predictor_hidden: int = 256, packing: str = "none",
-                rules=DEFAULT_RULES) -> MemoryPlan:
+                update_seq_len: int | None = None, rules=DEFAULT_RULES) -> MemoryPlan:
   """Per-device memory of one process running the RL loop of `train.py` on a (data, fsdp,
   tensor) mesh: resident weights, optimizer state and KV pool, plus the larger of the update
   step's and the decode step's own temporaries.
 
   rows: the update batch's packed rows (all devices), split into `micro_batches`;
   `micro_batch_seqs` (the first plan's argument) stands for rows=micro_batch_seqs, one micro-batch.
+  update_seq_len: the update rows' length when it differs from `seq_len` (tree packing with
+  `rl.pack_row_len`).
   """
   if rows is None:
     if micro_batch_seqs is None:
@@ -391,7 +393,8 @@ def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, 
   }
   error, update_extra = "", {}
   try:
-    up = plan_update_step(cfg, sizes, rows=rows, seq_len=seq_len, micro_batches=micro_batches,
+    up = plan_update_step(cfg, sizes, rows=rows, seq_len=update_seq_len or seq_len,
+                          micro_batches=micro_batches,
                           remat=remat, preds_per_row=preds_per_row, master_dtype=master_dtype,
                           predictor_hidden=predictor_hidden, packing=packing, rules=rules)
     skip = ("state (masters + AdamW mu, nu)",)

@@ -536,11 +536,21 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   return state, rec
 
 
+def row_len(c: TrainConfig) -> int:
+  """Tokens per update row: `env.max_seq_len`, or with tree packing `rl.pack_row_len` when set
+  (longer rows keep bigger trees whole; a row's attention costs its length squared)."""
+  if c.rl.packing == "tree" and c.rl.pack_row_len > 0:
+    return c.rl.pack_row_len
+  return c.env.max_seq_len
+
+
 def preds_per_row(c: TrainConfig) -> int:
   """Predictor entries per packed row: three root-to-leaf paths' nodes unpacked; with tree
-  packing (one entry per weighted node, a row holding a whole tree's nodes) eight paths' worth,
-  and a unit is split before it holds more."""
-  return (8 if c.rl.packing == "tree" else 3) * (c.env.max_turns + 2)
+  packing (one entry per weighted node, a row holding a whole tree's nodes) eight paths' worth
+  per `env.max_seq_len` tokens of row, and a unit is split before it holds more."""
+  if c.rl.packing == "tree":
+    return 8 * (c.env.max_turns + 2) * -(-row_len(c) // c.env.max_seq_len)
+  return 3 * (c.env.max_turns + 2)
 
 
 def training_units(c: TrainConfig, trees) -> list[dict]:
@@ -551,18 +561,20 @@ def training_units(c: TrainConfig, trees) -> list[dict]:
             max_depth=c.env.max_turns + 2, normalize=c.rl.normalize_std,
             pred_leaf_weight=c.rl.predictor_leaf_weight, values=c.rl.tree_values)
   if c.rl.packing == "tree":
-    return build_tree_units(trees, row_len=c.env.max_seq_len, max_nodes=preds_per_row(c), **kw)[0]
+    return build_tree_units(trees, row_len=row_len(c), max_nodes=preds_per_row(c),
+                            cut_len=c.env.max_seq_len, **kw)[0]
   return build_sequences(trees, **kw)[0]
 
 
 def pack_rows(c: TrainConfig, mesh, units: list[dict]):
   """(batch, info) of `pack_batch`: a fixed `update_rows` rows unpacked; tree-packed, the
-  smallest of `row_buckets` up to it that holds the units (shapes follow the work)."""
+  smallest of `row_buckets` that holds the units (shapes follow the work), up to the token slots
+  of `update_rows` rows of `env.max_seq_len`."""
   rows = update_rows(c, mesh)
   if c.rl.packing == "tree":
     multiple = c.rl.micro_batches * c.rl.minibatches * row_shards(mesh if mesh.size > 1 else None)
-    return pack_batch(units, c.env.max_seq_len, preds_per_row(c),
-                      buckets=row_buckets(rows, multiple))
+    cap = -(-rows * c.env.max_seq_len // row_len(c))
+    return pack_batch(units, row_len(c), preds_per_row(c), buckets=row_buckets(cap, multiple))
   return pack_batch(units, c.env.max_seq_len, preds_per_row(c), num_rows=rows)
 
 

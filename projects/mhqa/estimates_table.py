@@ -41,7 +41,9 @@ ARMS = (
     ("discovery", f"{_EST}/discovery", "trace_tree", "default", "rollouts"),
     ("together", f"{_EST}/together", "trace_tree", "default", "rollouts"),
     ("grpo", f"{_EST}/grpo", "grpo", "default", "rollouts"),
-    ("grpo, 2 epochs x 2 minibatches", f"{_EST}/ppo_sweep_e2m2", "grpo", "default", "rollouts"),
+    # The same settings as the next row, run again as its own arm: identical to the last digit.
+    ("grpo, 2 epochs x 2 minibatches (rerun)", f"{_EST}/ppo_sweep_e2m2", "grpo", "default",
+     "rollouts"),
     ("grpo, together's update", f"{_EST}/together_grpo", "grpo", "default", "rollouts"),
     ("baseline (leaf means)", f"{_EST}/baseline", "trace_tree", "low_contrast", "rollouts"),
     ("children", f"{_EST}/children", "trace_tree", "low_contrast", "rollouts"),

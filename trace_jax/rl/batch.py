@@ -127,7 +127,7 @@ def _preorder(t: Tree, nodes: set) -> list[int]:
 
 def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: int,
                      max_nodes: int, normalize: bool = True, pred_leaf_weight: float = 0.0,
-                     values: str = "children"):
+                     values: str = "children", cut_len: int | None = None):
   """Tree-packed units (`rl.packing=tree`, see the module docstring): the same trained tokens,
   advantages, old log-probs and predictor targets as `build_sequences`, each node's tokens once
   per unit. A unit fills one row of `row_len` tokens and may hold parts of several trees.
@@ -137,9 +137,10 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
   for that tree), ties to the fullest unit, within `row_len` tokens and `max_nodes` nodes; a new
   unit is opened when none fits. So a tree stays whole when it fits a row, and a split tree
   repeats only the ancestors its later units need (computed again there, trained once). A path
-  longer than `row_len` is cut there, as `pack_batch` cuts a long sequence: the cut tokens are
-  untrained in both layouts. Predictor entries are emitted only where they are weighted (a
-  node's first unit), one per node.
+  longer than `cut_len` (default `row_len`; at most `row_len`) is cut there, as `pack_batch` cuts
+  a sequence longer than its rows: the cut tokens are untrained in both layouts when `cut_len` is
+  the unpacked row length. A `row_len` above it holds whole trees that one path's row cannot.
+  Predictor entries are emitted only where they are weighted (a node's first unit), one per node.
 
   Returns (list of unit dicts, flat, node_adv). A unit dict has the fields of a `build_sequences`
   sequence (tokens, mask, adv, old_logp, pred_pos, pred_target, pred_weight) plus positions, prev
@@ -148,14 +149,15 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
   """
   flat = to_flat(trees)
   adv = node_advantages(flat, kind, max_depth, normalize, values=values)
+  cut = row_len if cut_len is None else min(int(cut_len), row_len)
   info, offset = [], 0
   for t in trees:
     start = [0] * len(t.nodes)  # depth position of each node's first token on its root path
     for n in t.nodes[1:]:
       start[n.id] = start[n.parent] + t.nodes[n.parent].num_tokens
-    clip = [max(min(n.num_tokens, row_len - start[n.id]), 0) for n in t.nodes]
+    clip = [max(min(n.num_tokens, cut - start[n.id]), 0) for n in t.nodes]
     leaves = [nid for nid in _preorder(t, set(range(len(t.nodes)))) if t.nodes[nid].done]
-    paths = [[nid for nid in t.path(leaf) if start[nid] < row_len or nid == 0] for leaf in leaves]
+    paths = [[nid for nid in t.path(leaf) if start[nid] < cut or nid == 0] for leaf in leaves]
     size = sum(clip[i] for i in set().union(*paths)) if paths else 0
     info.append((t, offset, start, clip, paths, size))
     offset += len(t.nodes)
@@ -223,10 +225,10 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
           u["kv_end"][sl] = end[nid]
         v = targets[nid]
         wt = pred_leaf_weight if n.done else 1.0
-        if ((ti, nid) not in owned and v is not None and start[nid] + n.num_tokens <= row_len
+        if ((ti, nid) not in owned and v is not None and start[nid] + n.num_tokens <= cut
             and wt > 0):
           for key, val in zip(preds, (last[nid], float(v), wt, base,
-                                      min(len(t.prompt_ids), row_len))):
+                                      min(len(t.prompt_ids), cut))):
             preds[key].append(val)
         owned.add((ti, nid))
     for key, vals in preds.items():
