@@ -162,8 +162,8 @@ def _base():
   c.rl.remat = "none"          # per-layer rematerialization in the update: none | full | dots
   c.rl.predictor_weighting = "visits"  # uniform | visits (node weight n_y: roots weigh most)
   c.rl.predictor_warm_steps = 300  # predictor steps on the warm-start probe before RL
-  c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many skipped updates
-  #                                  in a row
+  c.rl.max_consecutive_skips = 3   # stop (Diverged, exit 70) after this many RL steps' worth
+  #                                  of skipped updates in a row
   c.rl.tree_values = "children"   # V at branch points: children (unbiased under forks) | leaves
   c.rl.ppo_epochs = 2              # passes over the step's rollouts (2 x 2: +0.03 EM over the
   c.rl.minibatches = 2             # run for GRPO and TRACE alike; projects/mhqa/results/estimates)

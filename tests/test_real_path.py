@@ -149,7 +149,8 @@ def test_real_path_trains_two_steps_on_two_processes(real_run):
     assert math.isfinite(r["loss"]) and r["finite"] == 1.0 and r["skipped_steps"] == 0
     assert math.isfinite(r["kl_ref"])
     assert r["grad_norm"] > 0  # the entropy term trains the policy even without reward
-    assert r["batch_padded_rows"] == 8  # train_rows=4 rounded up to micro_batches x (data x fsdp)
+    # train_rows=4 rounded up to micro_batches x minibatches x (data x fsdp) = 2 x 2 x 4
+    assert r["batch_padded_rows"] == 16
   assert sum(r["retriever_queries"] for r in rl) > 0  # the policy searched over HTTP
   # Process 1's retriever failed, process 0's did not; both ran to the end, and process 0's records
   # count every injected error (in the step-0 evaluation or an RL step).
@@ -251,7 +252,7 @@ def test_update_rows_split_evenly_into_sharded_micro_batches():
 
   c = _config("real_smoke")
   mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
-  c.rl.train_rows, c.rl.micro_batches = 4, 2
+  c.rl.train_rows, c.rl.micro_batches, c.rl.minibatches = 4, 2, 1
   assert update_rows(c, mesh) == 8
   c.rl.train_rows = 9
   assert update_rows(c, mesh) == 16

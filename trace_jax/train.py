@@ -648,17 +648,19 @@ def update_rows(c: TrainConfig, mesh) -> int:
 
 def check_divergence(run: Run, state: LoopState, rec: dict) -> None:
   """Raises `Diverged` when the step's record shows the run going bad: `rl.max_consecutive_skips`
-  updates in a row skipped as non-finite, parameters grown past `rl.max_param_growth` times their
-  warm-start norm (or not finite), or, with `eval.stop_on_collapse`, held-out EM fallen to zero
-  from a positive start."""
+  RL steps' worth of updates in a row skipped as non-finite (times `rl.ppo_epochs` x
+  `rl.minibatches` optimizer updates, so one bad batch, every update of its step skipped, counts
+  as one), parameters grown past `rl.max_param_growth` times their warm-start norm (or not
+  finite), or, with `eval.stop_on_collapse`, held-out EM fallen to zero from a positive start."""
   c = run.c
   latest = run.ckpt.latest_step()
   keep = (f"the last checkpoint (step {latest}) is kept" if latest is not None
           else "no checkpoint was written")
   why = None
-  if state.skip_streak >= c.rl.max_consecutive_skips:
-    why = (f"{state.skip_streak} consecutive updates had non-finite loss, gradients or parameters "
-           f"and were skipped")
+  per_step = c.rl.ppo_epochs * c.rl.minibatches
+  if state.skip_streak >= c.rl.max_consecutive_skips * per_step:
+    why = (f"{state.skip_streak} consecutive updates ({per_step} per RL step) had non-finite loss, "
+           f"gradients or parameters and were skipped")
   norm = rec.get("param_norm")
   if norm is not None and not norm <= c.rl.max_param_growth * max(run.init_param_norm, 1e-6):
     why = (f"the parameter norm reached {norm:.3g}, over rl.max_param_growth="
