@@ -63,10 +63,10 @@ class DriverConfig:
   @classmethod
   def from_rollout(cls, method: str, rollout) -> "DriverConfig":
     """The driver's fields taken by name from a run config's rollout section
-    (`trace_jax.config.RolloutSection`)."""
+    (`trace_jax.config.RolloutSection`). `count_slice` is not a rollout field: it depends on the
+    rl section too, and `trace_jax.config.driver_config` sets it."""
     kw = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)
           if f.name != "method" and hasattr(rollout, f.name)}
-    kw.setdefault("count_slice", getattr(rollout, "calibrate", "none") == "platt")
     return cls(method=method, **kw)
 
 
