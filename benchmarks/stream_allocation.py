@@ -107,7 +107,8 @@ def main(argv):
                            stream_continuations=int(streamed.sum()), price_used=used))
           print(json.dumps(rows[-1]), flush=True)
         price = stream.price(dcfg.prefix_budget)  # as a streamed step records it for the next
-        if price is not None:  # (the price depends on the curves, not on max_share)
+        if price is not None:  # (the price depends on the curves, recorded for every group
+          # whatever max_share or the deadline)
           driver._stage2_prices.append(price)
       finally:
         run.engine.release(trees)

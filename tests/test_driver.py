@@ -251,6 +251,11 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
     assert len(late.cands) > n_before and not any(late.conts[n_before:])
     assert sorted(late.cands) == sorted(cands)
     assert late.left == PREFIX_BUDGET - sum(late.conts) >= 0
+    # The closed group's value curve still joins the step's batch price (a deadline must not bias
+    # the price later steps decide by).
+    assert len(late.gains) == len(one.gains)
+    if late.gains:
+      assert late.price(PREFIX_BUDGET) == pytest.approx(one.price(PREFIX_BUDGET))
   finally:
     engine.release(trees)
 

@@ -409,13 +409,13 @@ class _Stage2:
     self.decided += len(new)
     d = self.driver
     cands = d.strategy.candidates(new)
+    curve = d.strategy.value_curve(d, new, cands, self.use_predictor, d.cfg.prefix_budget)
+    if curve is not None:  # every group's curve, so the step's batch price covers every tree
+      self.gains.append(np.diff(curve))
     if self.closed:  # past the deadline: recorded, nothing granted
       self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, 0, cands)
       return []
-    curve = d.strategy.value_curve(d, new, cands, self.use_predictor, d.cfg.prefix_budget)
     price = d.stage2_price()
-    if curve is not None:
-      self.gains.append(np.diff(curve))
     running = self.num_trees - self.decided
     last = running == 0 or running <= d.cfg.stage2_deadline * self.num_trees
     if last:  # the last group (or the deadline's): everything left
