@@ -162,13 +162,13 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
     info.append((t, offset, start, clip, paths, size))
     offset += len(t.nodes)
 
-  # Placement: per unit, its token count, node count and {tree index: node set}.
+  # Placement: per unit, its token count, node count, {tree index: node set} and leaf count.
   units_at: list[list] = []
   for ti in sorted(range(len(info)), key=lambda i: -info[i][5]):
     t, _, _, clip, paths, _ = info[ti]
     for path in paths:
       best = None
-      for ui, (used, count, held) in enumerate(units_at):
+      for ui, (used, count, held, _) in enumerate(units_at):
         have = held.get(ti, ())
         new = [nid for nid in path if nid not in have]
         add = sum(clip[nid] for nid in new)
@@ -177,21 +177,21 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
           if best is None or key < best[0]:
             best = (key, ui, new, add)
       if best is None:
-        units_at.append([0, 0, {}])
+        units_at.append([0, 0, {}, 0])
         best = (None, len(units_at) - 1, path, sum(clip[nid] for nid in path))
       _, ui, new, add = best
       units_at[ui][0] += add
       units_at[ui][1] += len(new)
       units_at[ui][2].setdefault(ti, set()).update(new)
-      units_at[ui][2].setdefault("leaves", [0])[0] += 1
+      units_at[ui][3] += 1
 
   owned: set = set()  # (tree index, node id): trained in the first unit that holds it
   units = []
-  for used, _, held in units_at:
+  for used, _, held, n_leaves in units_at:
     u = dict(tokens=np.zeros(used, np.int32), mask=np.zeros(used, np.float32),
              adv=np.zeros(used, np.float32), old_logp=np.zeros(used, np.float32),
              positions=np.zeros(used, np.int32), prev=np.zeros(used, np.int32),
-             kv_end=np.zeros(used, np.int32), leaves=held.pop("leaves")[0])
+             kv_end=np.zeros(used, np.int32), leaves=n_leaves)
     preds = {k: [] for k in ("pred_pos", "pred_target", "pred_weight", "pred_pstart",
                              "pred_plen")}
     at = 0
