@@ -144,7 +144,9 @@ def _rows_and_trees(c, mesh: str, s: dict) -> str:
   shards = dp if s["kv_pool"] == "sharded" else 1
   need, per_shard = tree_pages(largest_tree(c), s["seq_len"], s["page_size"], s["num_pages"],
                                shards)
-  pad = f"{rows} update rows ({rows - s['train_rows']} of them padding)"
+  mbs = s.get("minibatches", 1)
+  pad = (f"{rows * mbs} update rows ({rows * mbs - s['train_rows']} of them padding)"
+         + (f", {rows} per minibatch" if mbs > 1 else ""))
   if per_shard >= need:
     return f"{pad}; a pool shard holds {per_shard} pages, one tree needs at most {need}"
   return (f"{pad}; a pool shard holds {per_shard} pages but one tree may need {need}: the run "
@@ -156,8 +158,9 @@ def report(c) -> str:
   s = _settings(c)
   lines.append("# Per-device memory of the RL loop: Qwen3-8B and Qwen3-14B\n")
   lines.append(f"Config `{c.variant}`: {s['num_slots']} decode slots, KV pool {s['num_pages']} "
-               f"pages x {s['page_size']} tokens (layout `{s['kv_pool']}`), rows of "
-               f"{s['seq_len']} tokens, train_rows {s['train_rows']}, micro_batches "
+               f"pages x {s['page_size']} tokens (layout `{s['kv_pool']}`), sequences of "
+               f"{s['seq_len']} tokens, update rows of {s['update_seq_len']} tokens "
+               f"(packing `{s['packing']}`), train_rows {s['train_rows']}, micro_batches "
                f"{s['micro_batches']}, remat `{s['remat']}`, kl_coef {s['kl_coef']}, params "
                f"{c.model.param_dtype} with f32 masters and f32 AdamW moments. GB = 1e9 bytes; "
                f"'yes' = peak within {_HEADROOM:.0%} of the device's memory. Devices: " +
