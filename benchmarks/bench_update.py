@@ -139,17 +139,13 @@ def node_lengths(batches) -> dict:
 
 
 def unique_tokens(trees, row_len: int) -> int:
-  """Tokens of the nodes on finished leaves' paths, each once (cut at `row_len` along a path)."""
-  total = 0
-  for t in trees:
-    seen = set()
-    for leaf in t.leaves():
-      seen.update(t.path(leaf.id))
-    start = {0: 0}
-    for nd in t.nodes[1:]:
-      start[nd.id] = start[nd.parent] + t.nodes[nd.parent].num_tokens
-    total += sum(max(min(t.nodes[i].num_tokens, row_len - start[i]), 0) for i in seen)
-  return total
+  """Tokens of the nodes on finished leaves' paths, each once (cut at `row_len` along a path):
+  the tree layout with one unbounded row."""
+  from trace_jax.rl.batch import build_tree_units
+
+  units, _, _ = build_tree_units(trees, "grpo", 8, row_len=1 << 40, max_nodes=1 << 40,
+                                 cut_len=row_len)
+  return sum(len(u["tokens"]) for u in units)
 
 
 LAYOUTS = ("none", "none_bucketed", "tree")

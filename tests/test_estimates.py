@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_train_smoke import ROOT, smoke_config
+from test_train_smoke import ROOT, draw_outcomes, smoke_config
 from trace_jax.allocation import strategies
 from trace_jax.config import driver_config
 from trace_jax.sampling.tree import Tree
@@ -93,10 +93,7 @@ def test_one_step_with_every_estimate_option(tmp_path, tmp_path_factory):
   assert rec["ledger_rollouts_started"] > c.rollout.root_budget
   assert "root_concentration_mean" in rec and "stage1_posterior_mixed" in rec
   assert rec["stage2_streamed"] == 1.0 and rec["stage2_decisions"] >= 1
-  rng = np.random.default_rng(0)  # the smoke policy rarely succeeds: outcomes drawn, so the
-  for t in sample.trees:          # policy gradient is not zero and the policy moves
-    for leaf in t.leaves():
-      leaf.reward = float(rng.random() < 0.5)
+  draw_outcomes(sample.trees)  # so the policy gradient is not zero and the policy moves
   state, rec = train.update_step(run, state, sample, rec)
   assert rec["optimizer_steps"] == 4.0
   assert np.isfinite(rec["loss"]) and rec["finite"] == 1.0

@@ -77,6 +77,17 @@ def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
   return mhqa.validate(c)
 
 
+def draw_outcomes(trees, seed: int = 0) -> None:
+  """Leaf rewards drawn at random (the smoke policy rarely succeeds, which makes every advantage,
+  and the policy gradient, zero)."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  for t in trees:
+    for leaf in t.leaves():
+      leaf.reward = float(rng.random() < 0.5)
+
+
 _RUNS = {}
 
 

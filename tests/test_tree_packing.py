@@ -182,17 +182,14 @@ def test_packed_gradients_on_the_8_device_mesh():
 def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
   """The smoke config's first RL step, one sample, both layouts of the train loop
   (`training_units` + `pack_rows` + the run's jitted update): same loss, gradient norm, tokens."""
-  from test_train_smoke import smoke_config
+  from test_train_smoke import draw_outcomes, smoke_config
   from trace_jax import train
 
   c = smoke_config(tmp_path_factory, tmp_path / "run", rl__packing="tree")
   run = train.build(c)
   state = train.init_state(run)
   sample, rec = train.sample_step(run, state)
-  rng = np.random.default_rng(0)  # the smoke policy rarely succeeds: outcomes drawn, so the
-  for t in sample.trees:          # policy gradient is not zero
-    for leaf in t.leaves():
-      leaf.reward = float(rng.random() < 0.5)
+  draw_outcomes(sample.trees)
   out = {}
   for packing in ("none", "tree"):
     cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing}))

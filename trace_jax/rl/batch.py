@@ -314,8 +314,8 @@ def pack_batch(seqs: list[dict], row_len: int, preds_per_row: int, row_multiple:
       b["segment_ids"][r, sl] = s
       if tree:
         b["positions"][r, sl] = q["positions"][:L]
-        b["prev"][r, sl] = np.minimum(q["prev"][:L], L - 1) + at
-        b["kv_end"][r, sl] = np.minimum(q["kv_end"][:L], L) + at
+        b["prev"][r, sl] = q["prev"] + at  # a unit is never longer than a row
+        b["kv_end"][r, sl] = q["kv_end"] + at
       else:
         b["positions"][r, sl] = np.arange(L)
       for k in ("mask", "adv", "old_logp"):
