@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from trace_jax.envs import retrieval
@@ -94,3 +95,17 @@ def test_save_load(tmp_path, retriever):
   assert loaded.docs == retriever.docs
   with pytest.raises(FileNotFoundError, match="not a saved BM25Retriever"):
     BM25Retriever.load(str(tmp_path / "missing"))
+
+
+def test_top_k_breaks_ties_by_index_and_drops_zero_scores():
+  from trace_jax.envs.retrieval import top_k
+
+  s = np.array([0.5, 2.0, 0.0, 2.0, 1.0, 2.0 + 1e-7])  # 1, 3 and 5 tie to 4 decimals
+  assert top_k(s, 2).tolist() == [1, 3]
+  assert top_k(s, 4).tolist() == [1, 3, 5, 4]
+  assert top_k(s, 10).tolist() == [1, 3, 5, 4, 0]  # the zero score is no hit
+  assert top_k(s[::-1], 2).tolist() == [0, 2]  # reversed order: the lower indices still win
+  assert top_k(np.zeros(3), 2).tolist() == [] and top_k(s, 0).tolist() == []
+  rng = np.random.default_rng(0)
+  r = rng.random(500)
+  assert top_k(r, 7).tolist() == np.argsort(-r, kind="stable")[:7].tolist()

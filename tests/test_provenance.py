@@ -1,10 +1,17 @@
 """`trace_jax.provenance`: the environment a run records and the fingerprints of its arrays."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.provenance import environment, fingerprint, tree_fingerprint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_environment_names_versions():
@@ -33,3 +40,38 @@ def test_tree_fingerprint():
   assert tree_fingerprint(tree) == fingerprint(*leaves)
   moved = jax.tree.map(lambda x: x.at[0].add(1), tree)
   assert tree_fingerprint(moved) != tree_fingerprint(tree)
+
+
+# The default world's data at 2,000 traces, as committed: any change to the world generator,
+# the expert, the prompts, the tokenizer or the packing moves them (then regenerate with
+# tests/scripts/data_fingerprints.py and say why in the commit); a machine must never move them.
+DEFAULT_WORLD_DATA = {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
+                      "sft_data": "63063f8e85f1"}
+
+
+def _data_fingerprints(tmp_path, extra_env=None, variant=None) -> dict:
+  cmd = [sys.executable, os.path.join(ROOT, "tests", "scripts", "data_fingerprints.py"),
+         "--cache", str(tmp_path), "--traces", "2000"] + (["--variant", variant] if variant else [])
+  env = dict(os.environ, **(extra_env or {}))
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _vector_paths_off() -> dict:
+  """NPY_DISABLE_CPU_FEATURES naming every vector extension numpy dispatches to on this machine:
+  numpy then runs its baseline code (its sorts and partitions order ties differently there)."""
+  try:
+    from numpy._core import _multiarray_umath as m
+  except ImportError:  # numpy 1.x
+    from numpy.core import _multiarray_umath as m
+  found = [f for f in m.__cpu_dispatch__ if m.__cpu_features__.get(f)]
+  return {"NPY_DISABLE_CPU_FEATURES": " ".join(found)}
+
+
+def test_world_data_is_the_same_on_every_machine(tmp_path):
+  """The world, its expert traces and the packed warm-start rows equal the committed
+  fingerprints, with and without numpy's vector code (a world whose retrieval broke score ties
+  by a CPU-dependent partition once gave two machines different warm starts)."""
+  assert _data_fingerprints(tmp_path / "a") == DEFAULT_WORLD_DATA
+  assert _data_fingerprints(tmp_path / "b", _vector_paths_off()) == DEFAULT_WORLD_DATA

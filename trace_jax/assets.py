@@ -22,7 +22,7 @@ from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
 from trace_jax.parallel.distributed import (allgather_object, broadcast_arrays, broadcast_object,
                                             put_global)
-from trace_jax.provenance import fingerprint, tree_fingerprint
+from trace_jax.provenance import fingerprint, text_fingerprint, tree_fingerprint, world_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -338,15 +338,45 @@ def warm_start_key(c) -> str:
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
-                     "v": 3}, sort_keys=True)
+                     "v": 4}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def warm_start_data(c, assets: Assets, num_traces: int | None = None) -> tuple[list, dict]:
+  """The warm start's training data: `num_traces` (default `sft.num_traces`) expert traces of
+  the world's train split and their packed rows (`sft.pack_sequences`, `sft.target_positions`).
+  Bit-identical on every machine for a given config (`data_fingerprints`)."""
+  from trace_jax.envs.synthetic import make_sft_dataset
+  from trace_jax.sft import encode_segments, pack_sequences, target_positions
+
+  seed = sft_seed(c)
+  n = c.sft.num_traces if num_traces is None else num_traces
+  recs = make_sft_dataset(assets.world, n, np.random.default_rng(seed))
+  seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
+  row_len = c.sft.row_len
+  packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),
+                            row_len // 2)
+  return recs, packed
+
+
+def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
+  """Fingerprints of what a synthetic run is built from: the world (`world_fingerprint`), its
+  expert traces (their texts) and the packed warm-start rows (`fingerprint` of tokens and loss
+  mask), with the row count. None of it may depend on the machine; `tests/test_provenance.py`
+  holds committed values."""
+  recs, packed = warm_start_data(c, assets, num_traces)
+  return dict(world=world_fingerprint(assets.world),
+              traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
+                                      (seg[0], str(int(seg[1])))),
+              sft_rows=int(packed["tokens"].shape[0]),
+              sft_data=fingerprint(*(packed[k] for k in sorted(packed)
+                                     if isinstance(packed[k], np.ndarray))))
 
 
 def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
   """Fine-tunes on the world's expert traces, or restores the cached result. Returns (params,
   info)."""
-  from trace_jax.envs.synthetic import make_sft_dataset
-  from trace_jax.sft import SFTConfig, encode_segments, pack_sequences, sft_train, target_positions
+  from trace_jax.sft import SFTConfig, sft_train
 
   d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{warm_start_key(c)}"))
   ck = Checkpointer(d, max_to_keep=1)
@@ -369,11 +399,7 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
     return params, dict(meta, cached=True, path=d, params_sha1=tree_fingerprint(params))
   t0 = time.time()
   seed = sft_seed(c)
-  recs = make_sft_dataset(assets.world, c.sft.num_traces, np.random.default_rng(seed))
-  seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
-  row_len = c.sft.row_len
-  packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),
-                            row_len // 2)
+  recs, packed = warm_start_data(c, assets)
   cfg = SFTConfig(steps=c.sft.steps, batch_rows=c.sft.batch_rows, lr=c.sft.lr,
                   warmup=c.sft.warmup, min_lr_ratio=c.sft.min_lr_ratio)
   params, hist = sft_train(graphdef, params, packed, cfg, seed=seed, log=log_fn)

@@ -58,6 +58,31 @@ def fingerprint(*arrays) -> str:
   return h.hexdigest()[:12]
 
 
+def text_fingerprint(texts) -> str:
+  """sha1 (12 hex digits) over an iterable of strings, each ended by a NUL."""
+  h = hashlib.sha1()
+  for t in texts:
+    h.update(t.encode("utf-8"))
+    h.update(b"\0")
+  return h.hexdigest()[:12]
+
+
+def world_fingerprint(world) -> str:
+  """`text_fingerprint` of a synthetic world: its passages (id and text, in corpus order) and its
+  questions of both splits (id, question, answers, chain and relations)."""
+  def texts():
+    for d in world.corpus:
+      yield d.id
+      yield d.text
+    for e in list(world.train) + list(world.test):
+      yield e.id
+      yield e.question
+      yield "|".join(e.answers)
+      yield "|".join(e.meta.get("chain", ()))
+      yield "|".join(e.meta.get("relations", ()))
+  return text_fingerprint(texts())
+
+
 def tree_fingerprint(tree) -> str | None:
   """`fingerprint` of a pytree's leaves (fetched to the host), in the tree's leaf order; None when
   a leaf is not wholly on this process (a sharded array of several processes)."""

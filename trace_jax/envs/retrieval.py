@@ -68,11 +68,35 @@ def write_corpus_jsonl(docs: Iterable[Doc], path: str) -> None:
       f.write(json.dumps({"id": d.id, "contents": d.contents}, ensure_ascii=False) + "\n")
 
 
+SCORE_DECIMALS = 4  # scores that agree to this many decimals are ties
+
+
+def top_k(scores: np.ndarray, k: int, decimals: int = SCORE_DECIMALS) -> np.ndarray:
+  """Indices of the k best positive scores, best first; ties (scores equal to `decimals`
+  decimals) go to the lower index.
+
+  The same on every machine: the scores are rounded before they are compared, so that a last-bit
+  difference in how a platform sums them cannot reorder them, and the order is decided by a
+  stable sort, not by a partition whose tie order depends on the CPU's vector code paths (it
+  does: the synthetic world's expert traces came out differently on two machines through exactly
+  this). O(n) per query plus a sort of the candidates that reach the k-th rounded score.
+  """
+  q = np.round(np.asarray(scores, dtype=np.float64), decimals)
+  if k < 1 or q.size == 0:
+    return np.zeros((0,), np.int64)
+  k = min(k, q.size)
+  kth = np.partition(q, q.size - k)[q.size - k]  # a value, the same whatever the tie order
+  cand = np.flatnonzero((q >= kth) & (q > 0))
+  order = np.lexsort((cand, -q[cand]))  # by score descending, then index ascending
+  return cand[order[:k]]
+
+
 class BM25Retriever:
   """BM25 over an in-memory corpus; implements the `Retriever` protocol.
 
-  All queries of a `search` call are scored in one `bm25s` call. Hits with zero score (no query
-  term in the passage) are dropped, so a result list may be shorter than k.
+  Each query is scored over the whole corpus and its top k chosen by `top_k`, ties to the earlier
+  passage, so results are the same on every machine. Hits with zero score (no query term in the
+  passage) are dropped, so a result list may be shorter than k.
   """
 
   def __init__(self, docs: Sequence[Doc], k1: float = 1.5, b: float = 0.75, _index=None):
@@ -111,15 +135,14 @@ class BM25Retriever:
     results: list[list[Doc]] = [[] for _ in queries]
     if not nonempty:
       return results
-    ids, scores = self._bm25.retrieve(
-        [tokens[i] for i in nonempty], k=k_eff, show_progress=False, n_threads=0,
-        backend_selection="numpy",
-    )
-    for row, qi in enumerate(nonempty):
-      for doc_idx, score in zip(np.asarray(ids[row]), np.asarray(scores[row])):
-        if score > 0:
-          d = self.docs[int(doc_idx)]
-          results[qi].append(Doc(id=d.id, title=d.title, text=d.text, score=float(score)))
+    for qi in nonempty:
+      ids = self._bm25.get_tokens_ids(tokens[qi])
+      if not ids:  # every term unknown to the index
+        continue
+      scores = np.asarray(self._bm25.get_scores(ids), dtype=np.float64)
+      for doc_idx in top_k(scores, k_eff):
+        d = self.docs[int(doc_idx)]
+        results[qi].append(Doc(id=d.id, title=d.title, text=d.text, score=float(scores[doc_idx])))
     return results
 
   def save(self, directory: str) -> None:
