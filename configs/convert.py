@@ -13,7 +13,7 @@ import math
 import os
 
 from trace_jax.allocation.allocators import ROOT_OBJECTIVES
-from trace_jax.config import TrainConfig
+from trace_jax.config import SFT_TRACES, WORLD_KINDS, TrainConfig
 from trace_jax.rl.advantages import VALUE_ESTIMATORS
 from trace_jax.rl.batch import PACKINGS
 
@@ -230,6 +230,16 @@ def validate(c: TrainConfig) -> None:
   _at_least(c, "rollout.metric_rollouts", 0)
   if not 0 <= c.world.trap_rate <= 1:
     raise ValueError(f"world.trap_rate={c.world.trap_rate} must be in [0, 1]")
+  _choice(c, "world.kind", WORLD_KINDS)
+  _choice(c, "sft.traces", SFT_TRACES)
+  if not 1 <= c.world.n_relations <= 32:
+    raise ValueError(f"world.n_relations={c.world.n_relations} must be in [1, 32]")
+  _at_least(c, "world.n_wordings", 2, "(a fact verb and at least one decoy)")
+  if c.world.zipf_exponent < 0:
+    raise ValueError(f"world.zipf_exponent={c.world.zipf_exponent} must be >= 0")
+  if not 0 <= c.world.expert_rate_lo <= c.world.expert_rate_hi <= 1:
+    raise ValueError(f"world.expert_rate_lo={c.world.expert_rate_lo} and expert_rate_hi="
+                     f"{c.world.expert_rate_hi} must satisfy 0 <= lo <= hi <= 1")
   _at_least(c, "eval.every", 1)
   _at_least(c, "eval.size", 1, "(an empty evaluation set has no accuracy)")
   _at_least(c, "ckpt.every", 1)

@@ -47,6 +47,14 @@ def _base():
   # P(the expert queries a trap hop with the question's wording, which surfaces the misleading
   # passage). Higher: the better wording is rarer in the traces, so RL must discover it.
   c.world.trap_rate = DEFAULT_TRAP_RATE
+  # traps: the embedded world (two trap relations, one rule to learn); lessons: K independent
+  # lessons with long-tailed frequency (trace_jax/envs/lessons_world.py; the `lessons` variant).
+  c.world.kind = "traps"
+  c.world.n_relations = 24      # lessons world: K relations, each one lesson
+  c.world.n_wordings = 2        # query verbs per relation: the fact verb and W - 1 decoys
+  c.world.zipf_exponent = 0.8   # relation frequency 1 / rank^s
+  c.world.expert_rate_lo = 0.05  # the expert's fact-verb rate per relation, uniform on [lo, hi],
+  c.world.expert_rate_hi = 0.8   # drawn independently of frequency
 
   c.data = ml_collections.ConfigDict()    # real data (qwen3 variants)
   c.data.train_path = ""    # local file in any supported format (trace_jax.data.load_qa)
@@ -88,6 +96,8 @@ def _base():
   c.sft.warmup = 50
   c.sft.min_lr_ratio = 0.05
   c.sft.seed = -1            # warm-start seed (part of its cache key); -1: the run's seed
+  c.sft.traces = "expert"    # expert (its planted mistakes) | oracle (no mistakes: a capacity
+  #                            check of the model, launch/world_check.py)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_step = 16
@@ -226,6 +236,9 @@ def get_config(arg: str | None = None):
   c.variant = variant
   if variant == "tiny":
     pass
+  elif variant == "lessons":
+    c.world.kind = "lessons"
+    c.eval.size = 500            # every held-out question: EM per lesson needs them all
   elif variant in ("smoke", "real_smoke"):
     c.world.cache_dir = "cache/smoke"
     c.sft.num_traces = 600
@@ -279,8 +292,8 @@ def get_config(arg: str | None = None):
     # --config=configs/mhqa.py:qwen3_14b` (results/plan_qwen3.md) has 14B fitting v5p-64 only so.
     c.mesh = "data:-1,fsdp:4,tensor:8" if variant == "qwen3_14b" else "data:-1,fsdp:4,tensor:4"
   else:
-    raise ValueError(f"unknown variant {variant!r}; choose tiny, smoke, qwen3_8b, qwen3_14b or "
-                     f"real_smoke")
+    raise ValueError(f"unknown variant {variant!r}; choose tiny, lessons, smoke, qwen3_8b, "
+                     f"qwen3_14b or real_smoke")
   return c
 
 

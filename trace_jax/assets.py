@@ -203,9 +203,35 @@ def _trap_rate(c) -> float:
 
 def world_dir_name(c) -> str:
   """The world's cache directory under `world.cache_dir`: `world-seed{seed}`, with the trap rate
-  appended when it is not the world's default (whose caches predate the option)."""
+  appended when it is not the world's default (whose caches predate the option); a lessons world
+  is `lessons-seed{seed}-{hash of its config}`."""
+  if c.world.kind == "lessons":
+    blob = json.dumps(dataclasses.asdict(lessons_world_config(c)), sort_keys=True)
+    return f"lessons-seed{c.world.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
   rate = _trap_rate(c)
   return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
+
+
+def lessons_world_config(c):
+  """The `LessonsWorldConfig` of config `c`'s world section."""
+  from trace_jax.envs.lessons_world import LessonsWorldConfig
+
+  w = c.world
+  return LessonsWorldConfig(
+      seed=w.seed, n_relations=w.n_relations, n_wordings=w.n_wordings,
+      zipf_exponent=w.zipf_exponent, expert_rate_range=(w.expert_rate_lo, w.expert_rate_hi),
+      topk=c.retriever.topk, max_turns=c.env.max_turns)
+
+
+def make_world(c):
+  """A new synthetic world of config `c`'s kind (not cached: `load_world_assets` caches)."""
+  from trace_jax.envs.lessons_world import generate_lessons_world
+  from trace_jax.envs.synthetic import SyntheticWorldConfig, generate_world
+
+  if c.world.kind == "lessons":
+    return generate_lessons_world(lessons_world_config(c))
+  return generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
+                                             max_turns=c.env.max_turns, trap_rate=_trap_rate(c)))
 
 
 def seen_entities(world) -> set:
@@ -219,18 +245,20 @@ def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> lis
   say whether their entity is one the warm start learned to write (`entity_seen`): it appears in
   some train question's chain. The word-level tokenizer gives each name its own token, so a name
   never written in training is hard to copy, and held-out EM splits on it (`evaluate` reports
-  both halves)."""
+  both halves). A lessons world's examples carry their relations as `groups` (EM per lesson)."""
   seen = seen_entities(world) if split == "test" else None
   out = []
   for e in getattr(world, split):
     ex = _example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question), hops=e.hops,
                   meta=e.meta)
+    if world.lessons:  # the lessons a question needs: held-out EM is reported per lesson
+      ex["groups"] = sorted(set(e.meta["relations"]))
     out.append(ex if seen is None else dict(ex, entity_seen=e.meta["chain"][0] in seen))
   return out
 
 
 def load_world_assets(c) -> Assets:
-  from trace_jax.envs.synthetic import SyntheticWorldConfig, World, build_tokenizer, generate_world
+  from trace_jax.envs.synthetic import World, build_tokenizer
 
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
@@ -238,9 +266,7 @@ def load_world_assets(c) -> Assets:
   world = None
   # Several processes share the cache: the first one writes it, the others read it once written.
   if not os.path.exists(os.path.join(wdir, "world.json")) and jax.process_index() == 0:
-    world = generate_world(SyntheticWorldConfig(seed=c.world.seed, topk=c.retriever.topk,
-                                                max_turns=c.env.max_turns,
-                                                trap_rate=_trap_rate(c)))
+    world = make_world(c)
     world.save(wdir)
   if jax.process_count() > 1:
     allgather_object(None)  # a barrier: the cache is complete past it
@@ -336,6 +362,8 @@ def warm_start_key(c) -> str:
   """Cache key of the warm start: everything that changes it, the effective seed included."""
   sft = {k: v for k, v in dataclasses.asdict(c.sft).items() if k != "seed"}
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
+  if c.world.kind != "lessons":  # the lessons world's fields shape nothing else
+    world = {k: v for k, v in world.items() if k in ("seed", "cache_dir", "trap_rate", "kind")}
   blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 4}, sort_keys=True)
@@ -343,15 +371,17 @@ def warm_start_key(c) -> str:
 
 
 def warm_start_data(c, assets: Assets, num_traces: int | None = None) -> tuple[list, dict]:
-  """The warm start's training data: `num_traces` (default `sft.num_traces`) expert traces of
-  the world's train split and their packed rows (`sft.pack_sequences`, `sft.target_positions`).
+  """The warm start's training data: `num_traces` (default `sft.num_traces`) expert (or with
+  `sft.traces=oracle`, `oracle_world`'s) traces of the world's train split and their packed rows
+  (`sft.pack_sequences`, `sft.target_positions`).
   Bit-identical on every machine for a given config (`data_fingerprints`)."""
-  from trace_jax.envs.synthetic import make_sft_dataset
+  from trace_jax.envs.synthetic import make_sft_dataset, oracle_world
   from trace_jax.sft import encode_segments, pack_sequences, target_positions
 
   seed = sft_seed(c)
   n = c.sft.num_traces if num_traces is None else num_traces
-  recs = make_sft_dataset(assets.world, n, np.random.default_rng(seed))
+  world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
+  recs = make_sft_dataset(world, n, np.random.default_rng(seed))
   seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
   row_len = c.sft.row_len
   packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),

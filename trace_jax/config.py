@@ -28,11 +28,22 @@ class ModelSection:
   predictor_features: str
 
 
+SFT_TRACES = ("expert", "oracle")  # the warm start imitates the imperfect expert, or the oracle
+WORLD_KINDS = ("traps", "lessons")  # envs.synthetic_world (two trap relations), envs.lessons_world
+
+
 @dataclasses.dataclass(frozen=True)
 class WorldSection:
   seed: int
   cache_dir: str
   trap_rate: float
+  kind: str = "traps"  # WORLD_KINDS
+  # The lessons world (`envs.lessons_world.LessonsWorldConfig`).
+  n_relations: int = 24
+  n_wordings: int = 2
+  zipf_exponent: float = 0.8
+  expert_rate_lo: float = 0.05
+  expert_rate_hi: float = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +90,7 @@ class SftSection:
   warmup: int
   min_lr_ratio: float
   seed: int
+  traces: str = "expert"  # SFT_TRACES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,14 +35,16 @@ def final_answer(tree) -> str | None:
 def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
              keep_trees: bool = False) -> dict:
   """examples: dicts with prompt_ids, answers, and optional hops / source / entity_seen (the
-  synthetic world's: the question's entity appears in a train question). Greedy, one rollout each.
+  synthetic world's: the question's entity appears in a train question) / groups (labels an
+  example counts under, e.g. the lessons world's relations). Greedy, one rollout each.
 
   Returns em, f1, n, em_by_hops, em_by_source, f1_by_source, em_by_seen ({"seen", "unseen"}:
-  EM of each half, when the examples say), mean_turns, generated_tokens; with `keep_trees`,
+  EM of each half, when the examples say), em_by_group (each label: EM over the examples that
+  carry it), mean_turns, generated_tokens; with `keep_trees`,
   also `trees` (one per example, their pages released: for inspecting why rollouts fail).
   """
   ems, f1s, turns, kept = [], [], [], []
-  by_hops, by_src, f1_src, by_seen = (collections.defaultdict(list) for _ in range(4))
+  by_hops, by_src, f1_src, by_seen, by_group = (collections.defaultdict(list) for _ in range(5))
   led0 = engine.ledger.generated_tokens
   with sampling_mode(engine, greedy=True):
     for i in range(0, len(examples), batch):
@@ -58,6 +60,8 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
           by_hops[int(e["hops"])].append(em)
         if e.get("entity_seen") is not None:
           by_seen["seen" if e["entity_seen"] else "unseen"].append(em)
+        for g in e.get("groups") or ():
+          by_group[g].append(em)
         src = e.get("source", "default")
         by_src[src].append(em)
         f1_src[src].append(f)
@@ -70,5 +74,6 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
               em_by_source={s: mean(v) for s, v in sorted(by_src.items())},
               f1_by_source={s: mean(v) for s, v in sorted(f1_src.items())},
               em_by_seen={k: mean(v) for k, v in sorted(by_seen.items())},
+              em_by_group={k: mean(v) for k, v in sorted(by_group.items())},
               generated_tokens=engine.ledger.generated_tokens - led0,
               **({"trees": kept} if keep_trees else {}))

@@ -395,6 +395,9 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})
   rec.update({f"eval_em_hops{h}": v for h, v in res["em_by_hops"].items()})
   rec.update({f"eval_em_{k}": v for k, v in res["em_by_seen"].items()})  # entity seen in train
+  if res["em_by_group"]:  # the lessons world: EM per lesson, and how many are above one half
+    rec.update({f"eval_em_group/{k}": v for k, v in res["em_by_group"].items()})
+    rec["eval_groups_learned"] = sum(v > 0.5 for v in res["em_by_group"].values())
   run.writer.write(step, rec)
   if step == 0:
     print(f"[trace_jax] greedy EM before RL: {res['em']:.3f} by hops {res['em_by_hops']}",

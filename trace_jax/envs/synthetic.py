@@ -18,7 +18,7 @@ import numpy as np
 
 from trace_jax.envs.synthetic_tokenizer import build_hf_tokenizer, build_tokenizer
 from trace_jax.envs.synthetic_traces import (
-    SFTRecord, Trace, expert_trace, make_sft_dataset, read_fact, trace_segments,
+    SFTRecord, Trace, expert_trace, make_sft_dataset, oracle_world, read_fact, trace_segments,
 )
 from trace_jax.envs.synthetic_world import (
     RELATIONS, SyntheticQuestion, SyntheticWorldConfig, World, generate_world, question_text,
@@ -27,7 +27,8 @@ from trace_jax.envs.synthetic_world import (
 __all__ = [
     "RELATIONS", "SyntheticQuestion", "SFTRecord", "SyntheticWorldConfig", "Trace", "World",
     "build_hf_tokenizer", "build_tokenizer", "expert_trace", "generate_world",
-    "make_sft_dataset", "question_text", "read_fact", "trace_segments", "world_stats",
+    "make_sft_dataset", "oracle_world", "question_text", "read_fact", "trace_segments",
+    "world_stats",
 ]
 
 

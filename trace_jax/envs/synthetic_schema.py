@@ -24,7 +24,8 @@ class Relation:
 
   fact: the true sentence; on_object_side: stored in the object's passage instead of the
   subject's; noun: the question's noun phrase `the {noun} of X`; query_passage: a query in the
-  passage's words; misleading: the planted sentence matching the noun wording (trap relations).
+  passage's words; misleading: the planted sentence matching the noun wording (trap relations);
+  decoys: further (query, misleading sentence) wordings (`lessons_world`).
   """
 
   name: str
@@ -35,6 +36,9 @@ class Relation:
   query_passage: str
   on_object_side: bool = False
   misleading: Optional[str] = None
+  # The lessons world: other query wordings, each with the planted sentence it surfaces,
+  # ((query template with {x}, misleading template with {w} and {s}), ...).
+  decoys: tuple = ()
 
   def question_query(self, x: str) -> str:
     return f"{self.noun} of {x}"

@@ -25,7 +25,7 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
   )
 
 
-def _protocol_texts(topk: int) -> list[str]:
+def _protocol_texts(topk: int, schema: dict = RELATIONS) -> list[str]:
   """Every fixed text the environment, the prompts and the expert can emit."""
   fake = [Doc(id="x", title="x", text="x")] * max(topk, 1)
   texts = [
@@ -33,13 +33,14 @@ def _protocol_texts(topk: int) -> list[str]:
       react.format_invalid_observation(), react.format_error_observation(),
       prompts.synthetic_prompt("what is ?"), "need no found the answer is . ? yes",
   ]
-  for rel in RELATIONS.values():
+  for rel in schema.values():
     texts += [rel.fact, rel.noun, rel.query_passage, rel.misleading or ""]
+    texts += [t for pair in rel.decoys for t in pair]
   return texts
 
 
 def _world_texts(world: World) -> Iterable[str]:
-  yield from _protocol_texts(world.config.topk)
+  yield from _protocol_texts(world.config.topk, world.relations)
   for doc in world.corpus:
     yield doc.title
     yield doc.text

@@ -65,17 +65,20 @@ def _pattern(template: str, subject: str) -> re.Pattern:
   return re.compile(rf"(?<![A-Za-z]){rx}")
 
 
-def read_fact(docs: Sequence[Doc], relation: str, subject: str) -> tuple[Optional[str], str, bool]:
-  """The expert's reading: the first sentence, in rank order, that states `relation(subject)`.
+def read_fact(docs: Sequence[Doc], relation: str, subject: str,
+              schema: Optional[dict] = None) -> tuple[Optional[str], str, bool]:
+  """The expert's reading: the first sentence, in rank order, that states `relation(subject)`
+  (`schema`: the world's relations, default the embedded world's).
 
   Returns (object or None, the sentence without its final period, whether it was misleading).
   """
-  rel = RELATIONS[relation]
+  rel = (RELATIONS if schema is None else schema)[relation]
   templates = [(rel.fact, False)]
   if relation == "city_country":
     templates.extend((t, False) for t in CITY_COUNTRY_ALTERNATIVES)
   if rel.misleading:
     templates.append((rel.misleading, True))
+  templates.extend((m, True) for _, m in rel.decoys)
   patterns = [(_pattern(t, subject), misleading) for t, misleading in templates]
   for doc in docs:
     best = None
@@ -122,19 +125,26 @@ def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Genera
   current, statement = example.meta["start"], ""
   turns, searches, misled = [], [], False
   for relation in plan:
-    rel = RELATIONS[relation]
+    rel = world.relations[relation]
     subject = current
     wording = "passage"
     if rng.random() < cfg.wrong_entity_rate:
       subject = _wrong_entity(world, current, rng)
       errors.append("wrong_entity")
-    if relation in cfg.trap_relations:
+    if rel.decoys:  # a lesson: the matching wording at the relation's own rate, else a decoy
+      question_worded = False
+      if rng.random() >= world.lessons[relation]["expert_rate"]:
+        j = int(rng.integers(len(rel.decoys)))
+        wording, query = f"decoy{j}", rel.decoys[j][0].format(x=subject)
+      else:
+        query = rel.query_passage.format(x=subject)
+    elif relation in cfg.trap_relations:
       question_worded = rng.random() < cfg.trap_rate
     else:  # Both wordings work here; use both so wording alone is not a tell.
       question_worded = rng.random() < 0.5
     if question_worded:
       wording, query = "question", rel.question_query(subject)
-    else:
+    elif not rel.decoys:
       query = rel.query_passage.format(x=subject)
     need = f"need {rel.noun} of {current}"
     think = f"{statement} . {need}" if statement else need
@@ -145,7 +155,7 @@ def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Genera
         "relation": relation, "subject": subject, "query": query, "wording": wording,
         "needed_doc_id": needed, "hit": needed is not None and any(d.id == needed for d in docs),
     })
-    found, statement, was_misleading = read_fact(docs, relation, subject)
+    found, statement, was_misleading = read_fact(docs, relation, subject, world.relations)
     misled |= was_misleading
     if found is None:
       found = _guess_name(docs, exclude=subject) or subject
@@ -156,6 +166,16 @@ def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Genera
   correct = bool(exact_match(current, example.answers))
   return Trace(turns=turns, answer=current, correct=correct,
                meta={"searches": searches, "errors": errors, "misled": misled})
+
+
+def oracle_world(world: World) -> World:
+  """`world` with a flawless expert: no random mistakes, the passage wording on every trap
+  relation and the fact verb on every lesson. Its traces answer every question whose fact
+  searches succeed (the lessons world keeps only such questions)."""
+  cfg = dataclasses.replace(world.config, wrong_entity_rate=0.0, skip_hop_rate=0.0,
+                            premature_guess_rate=0.0, trap_rate=0.0)
+  lessons = {r: dict(v, expert_rate=1.0) for r, v in world.lessons.items()}
+  return dataclasses.replace(world, config=cfg, lessons=lessons)
 
 
 def trace_segments(example: SyntheticQuestion, trace: Trace) -> list[tuple[str, bool]]:

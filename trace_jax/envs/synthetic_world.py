@@ -67,6 +67,37 @@ class SyntheticWorldConfig:
   premature_guess_rate: float = 0.05  # Per question of >= 2 hops: answers before the end.
 
 
+@dataclasses.dataclass
+class LessonsWorldConfig:
+  """Everything that shapes a lessons world (`lessons_world`); the seed makes it reproducible."""
+
+  kind: str = "lessons"
+  seed: int = 0
+  n_entities: int = 1200
+  n_relations: int = 24  # K lessons (at most len(NOUNS))
+  n_wordings: int = 2  # W query verbs per relation: one fact verb, W - 1 decoys
+  zipf_exponent: float = 0.8  # relation weights 1 / rank^s, ranks in a seeded random order
+  # The expert's rate of the fact verb per relation, uniform on this range, drawn independently
+  # of frequency (the other W - 1 verbs share the rest evenly).
+  expert_rate_range: tuple = (0.05, 0.8)
+  out_degree: tuple = (1, 2, 3)  # relations an entity is the subject of, drawn evenly
+  hop_weights: tuple = (0.0, 0.4, 0.35, 0.25)  # P(1 hop), ..., P(4 hops)
+  n_train: int = 4000
+  n_test: int = 500
+  near_duplicate_rate: float = 0.02  # share of names that are a one-letter twin of another
+  topk: int = 2
+  bm25_k1: float = 1.5
+  bm25_b: float = 0.3
+  max_turns: int = 5
+  # Expert behaviour beyond the lessons (as in the embedded world, smaller).
+  wrong_entity_rate: float = 0.02
+  skip_hop_rate: float = 0.02
+  premature_guess_rate: float = 0.02
+  # The embedded world's trap fields, kept for the expert's shared code: no trap relations here.
+  trap_relations: tuple = ()
+  trap_rate: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticQuestion:
   """One question, shaped like `data.formats.QAExample` where it matters (id, question,
@@ -99,6 +130,11 @@ class World:
   test: list
   twins: dict  # name -> near-duplicate name (both directions)
   traps: dict  # "relation|subject" -> wrong candidates planted for it
+  # The schema of this world's relations (the embedded world's `RELATIONS` unless the world
+  # brings its own: `lessons_world`), and per-relation facts of a lessons world.
+  relations: dict = dataclasses.field(default_factory=lambda: dict(RELATIONS))
+  lessons: dict = dataclasses.field(default_factory=dict)
+  generation: dict = dataclasses.field(default_factory=dict)  # what generation dropped, counted
   _retriever: Optional[BM25Retriever] = dataclasses.field(default=None, repr=False)
   _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -121,7 +157,9 @@ class World:
 
   def needed_doc_id(self, relation: str, subject: str) -> str:
     """Id of the passage that states the true fact `relation(subject)`."""
-    rel = RELATIONS[relation]
+    if self.lessons:  # a passage per sentence (`lessons_world.fact_doc_id`)
+      return f"{relation}:{subject}"
+    rel = self.relations[relation]
     return self.facts[relation][subject] if rel.on_object_side else subject
 
   def save(self, directory: str) -> None:
@@ -137,6 +175,10 @@ class World:
         "twins": self.twins,
         "traps": self.traps,
     }
+    if self.lessons:  # a world with its own schema (the embedded one is `RELATIONS`)
+      payload["relations"] = {k: dataclasses.asdict(r) for k, r in self.relations.items()}
+      payload["lessons"] = self.lessons
+      payload["generation"] = self.generation
     with open(os.path.join(directory, "world.json"), "w") as f:
       json.dump(payload, f)
 
@@ -152,11 +194,20 @@ class World:
       raise ValueError(f"{path}: format_version {version!r}, expected "
                        f"{_FORMAT_VERSION}; regenerate the world from its seed")
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
+    extra = {}
+    if "relations" in p:
+      config = LessonsWorldConfig(**cfg)
+      extra = dict(relations={k: Relation(**{f: tuple(tuple(x) for x in v) if f == "decoys"
+                                                 else v for f, v in r.items()})
+                              for k, r in p["relations"].items()},
+                   lessons=p["lessons"], generation=p.get("generation", {}))
+    else:
+      config = SyntheticWorldConfig(**cfg)
     return cls(
-        config=SyntheticWorldConfig(**cfg), entities=p["entities"], facts=p["facts"],
+        config=config, entities=p["entities"], facts=p["facts"],
         corpus=[Doc(**d) for d in p["corpus"]], train=[SyntheticQuestion(**e) for e in p["train"]],
         test=[SyntheticQuestion(**e) for e in p["test"]], twins=p["twins"], traps=p["traps"],
-    )
+        **extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,10 +400,11 @@ def _sample_chain(start, n_hops, entities, facts, rng):
   return relations, chain
 
 
-def question_text(start: str, relations: Sequence[str]) -> str:
+def question_text(start: str, relations: Sequence[str], schema: Optional[dict] = None) -> str:
+  schema = RELATIONS if schema is None else schema
   np_ = start
   for r in relations:
-    np_ = f"the {RELATIONS[r].noun} of {np_}"
+    np_ = f"the {schema[r].noun} of {np_}"
   return f"what is {np_} ?"
 
 

@@ -1,0 +1,255 @@
+"""Checks a world's regime before any comparison is run on it, and writes what it found.
+
+  python launch/world_check.py --config=configs/mhqa.py:lessons                  # every part
+  python launch/world_check.py --config=configs/mhqa.py:lessons --parts=oracle,names
+  python launch/world_check.py --config=configs/mhqa.py:lessons --parts=grpo --seeds=0,1,2 \
+      --runs=runs/world_check_lessons --config.rl.steps=200
+
+Parts (each adds its keys to `--out`, a JSON file that keeps the other parts' keys):
+  oracle     the scripted oracle's held-out EM (the fact wording every hop, no mistakes):
+             `oracle_em`, with what generation dropped to make it 1.0;
+  names      `heldout_names_seen`: the share of the names held-out chains pass through that occur
+             in some train chain (1.0: no name ceiling);
+  lessons    per relation: frequency weight, the expert's fact-wording rate, question counts;
+  capacity   SFT on oracle traces (config's SFT otherwise), greedy held-out EM: `capacity_em`
+             (a model that can learn every lesson at all should reach 0.9);
+  warm_start the run's own warm start (SFT on the expert's traces): `warm_start_em` and EM per
+             lesson, and `mixed_share`: groups of `--group` samples on `--mixed_prompts` train
+             prompts at temperature 1, the share of groups with mixed outcomes, over the pool and
+             per lesson (a question counts under each lesson it needs);
+  grpo       GRPO runs of `--seeds` (resumed when their workdirs exist), then from their held-out
+             curves: `grpo_em50_over_final` (EM at step 50 over final EM, median over seeds),
+             `grpo_plateau_step` (first evaluation within 0.02 of the run's best) and
+             `discovery_iqr_steps` (interquartile range over lessons and seeds of the first step at
+             which a lesson's held-out EM passes 0.5, lessons above 0.5 at step 0 left out).
+The world's own parts (oracle, names, lessons) take seconds; capacity and warm_start train a warm
+start each (cached under world.cache_dir); grpo trains `len(seeds)` runs.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "configs"))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+PARTS = ("oracle", "names", "lessons", "capacity", "warm_start", "grpo")
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
+                                          "configs/mhqa.py[:variant]")
+_PARTS = flags.DEFINE_list("parts", list(PARTS), f"any of {PARTS}")
+_OUT = flags.DEFINE_string("out", os.path.join(_ROOT, "projects", "mhqa", "results",
+                                               "world_check_lessons.json"), "results file")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "GRPO run seeds (part grpo)")
+_RUNS = flags.DEFINE_string("runs", os.path.join(_ROOT, "runs", "world_check"),
+                            "folder of the GRPO runs (part grpo)")
+_GROUP = flags.DEFINE_integer("group", 8, "samples per prompt for the mixed share (warm_start)")
+_MIXED_PROMPTS = flags.DEFINE_integer("mixed_prompts", 256, "train prompts sampled (warm_start)")
+
+
+def _typed(cdict):
+  import convert
+  return convert.to_train_config(cdict)
+
+
+def world_parts(c, parts) -> dict:
+  """oracle, names and lessons: the world alone (no model)."""
+  from trace_jax.assets import load_world_assets, seen_entities
+  from trace_jax.envs.synthetic import expert_trace, oracle_world
+
+  assets = load_world_assets(c)
+  world = assets.world
+  out = {}
+  if "oracle" in parts:
+    perfect, rng = oracle_world(world), np.random.default_rng(0)
+    correct = [expert_trace(perfect, e, rng).correct for e in world.test]
+    out["oracle_em"] = float(np.mean(correct))
+    out["oracle_n"] = len(correct)
+    out["generation"] = dict(world.generation)
+  if "names" in parts:
+    seen = seen_entities(world)
+    needed = {x for e in world.test for x in e.meta["chain"]}
+    out["heldout_names_seen"] = len(needed & seen) / max(len(needed), 1)
+    out["heldout_names"] = len(needed)
+  if "lessons" in parts and world.lessons:
+    train_n = {r: 0 for r in world.lessons}
+    test_n = dict(train_n)
+    for split, counts in ((world.train, train_n), (world.test, test_n)):
+      for e in split:
+        for r in set(e.meta["relations"]):
+          counts[r] += 1
+    out["lessons"] = {r: dict(weight=v["weight"], expert_rate=v["expert_rate"],
+                              train_questions=train_n[r], test_questions=test_n[r])
+                      for r, v in world.lessons.items()}
+    out["n_train"], out["n_test"] = len(world.train), len(world.test)
+    out["hops_train"] = {str(h): sum(e.hops == h for e in world.train) for h in range(1, 5)}
+  return out
+
+
+def _evaluate_warm_start(c, mixed: bool) -> dict:
+  """Builds the run (its warm start trained or restored), evaluates greedily on the held-out
+  set, and with `mixed` samples groups on train prompts."""
+  import dataclasses
+
+  from trace_jax import train as T
+  from trace_jax.evaluate import evaluate
+  from trace_jax.sampling.engine import PromptRequest
+
+  c = dataclasses.replace(c, workdir=os.path.join(c.workdir or "runs", "world_check_build"))
+  run = T.build(c)
+  state = T.init_state(run)
+  run.engine.update_params(T._policy(run, state))
+  t0 = time.time()
+  # Chunks the size the run's own evaluation and steps use: the KV pool is sized for them.
+  res = evaluate(run.engine, run.assets.test, batch=c.eval.size)
+  out = dict(em=res["em"], n=res["n"], em_by_hops=res["em_by_hops"],
+             em_by_lesson=res["em_by_group"],
+             lessons_above_half=sum(v > 0.5 for v in res["em_by_group"].values()),
+             warm_start=dict(params_sha1=run.warm_start.get("params_sha1"),
+                             rows=run.warm_start.get("rows"),
+                             expert_success=run.warm_start.get("expert_success")),
+             eval_seconds=time.time() - t0)
+  if mixed:
+    rng = np.random.default_rng(0)
+    pool = run.assets.train
+    idx = rng.choice(len(pool), size=min(_MIXED_PROMPTS.value, len(pool)), replace=False)
+    examples = [pool[int(i)] for i in idx]
+    by_lesson, flags_all, rewards = {}, [], []
+    per = max(1, c.rollout.prompts_per_step)
+    for i in range(0, len(examples), per):
+      chunk = examples[i:i + per]
+      trees = run.engine.run([PromptRequest(e["prompt_ids"], _GROUP.value, meta=e)
+                              for e in chunk])
+      for e, t in zip(chunk, trees):
+        r = [float(leaf.reward or 0.0) for leaf in t.leaves()]
+        rewards += r
+        m = bool(0 < np.mean(r) < 1)
+        flags_all.append(m)
+        for g in e.get("groups") or ():
+          by_lesson.setdefault(g, []).append(m)
+      run.engine.release(trees)
+    out["mixed_share"] = float(np.mean(flags_all))
+    out["mixed_share_by_lesson"] = {g: float(np.mean(v)) for g, v in sorted(by_lesson.items())}
+    out["sample_success"] = float(np.mean(rewards))
+    out["mixed_prompts"] = len(examples)
+  return out
+
+
+def grpo_part(cdict, seeds, runs_dir, overrides) -> dict:
+  """Trains (or resumes) a GRPO run per seed and reads their held-out curves."""
+  os.makedirs(runs_dir, exist_ok=True)
+  curves = {}
+  for s in seeds:
+    wd = os.path.join(runs_dir, f"grpo-seed{s}")
+    if not os.path.exists(os.path.join(wd, "summary.json")):
+      cmd = [sys.executable, os.path.join(_ROOT, "launch", "train.py"),
+             f"--config={_config_arg()}", "--config.method=grpo", f"--config.seed={s}",
+             f"--workdir={wd}"] + [o for o in overrides if not o.startswith(("--config.seed=",
+                                                                          "--config.method="))]
+      print("[world_check]", " ".join(cmd), flush=True)
+      subprocess.run(cmd, check=True)
+    curves[s] = read_curve(os.path.join(wd, "metrics.jsonl"))
+  return summarize_grpo(curves)
+
+
+def read_curve(path: str) -> dict:
+  """{step: {"em": held-out EM, "lessons": {lesson: EM}}} from a run's metrics.jsonl."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      rec = json.loads(line)
+      if "eval_em" in rec and rec.get("step", -1) >= 0:
+        out[int(rec["step"])] = dict(
+            em=float(rec["eval_em"]),
+            lessons={k.split("/", 1)[1]: float(v) for k, v in rec.items()
+                     if k.startswith("eval_em_group/")})
+  return out
+
+
+def summarize_grpo(curves: dict) -> dict:
+  """The grpo part's figures from {seed: read_curve(...)}."""
+  ratio, plateau, discovery, finals = [], [], [], []
+  for curve in curves.values():
+    steps = sorted(curve)
+    ems = [curve[s]["em"] for s in steps]
+    final, best = ems[-1], max(ems)
+    finals.append(final)
+    at50 = [curve[s]["em"] for s in steps if s <= 50]
+    if at50 and final > 0:
+      ratio.append(at50[-1] / final)
+    plateau.append(next(s for s, e in zip(steps, ems) if e >= best - 0.02))
+    start = curve[steps[0]]["lessons"]
+    for lesson, em0 in start.items():
+      if em0 > 0.5:
+        continue
+      hit = [s for s in steps if curve[s]["lessons"].get(lesson, 0.0) > 0.5]
+      if hit:
+        discovery.append(hit[0])
+  q = np.percentile(discovery, [25, 75]) if discovery else [float("nan")] * 2
+  return dict(grpo_em50_over_final=float(np.median(ratio)) if ratio else float("nan"),
+              grpo_plateau_step=float(np.median(plateau)) if plateau else float("nan"),
+              grpo_final_em=[float(x) for x in finals],
+              discovery_iqr_steps=float(q[1] - q[0]),
+              discovery_steps=sorted(int(x) for x in discovery),
+              grpo_seeds=sorted(curves))
+
+
+def _config_arg() -> str:
+  for a in sys.argv[1:]:
+    if a.startswith("--config="):
+      return a.split("=", 1)[1]
+  return "configs/mhqa.py:lessons"
+
+
+def main(argv):
+  del argv
+  logging.getLogger("bm25s").setLevel(logging.WARNING)
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  parts = [p.strip() for p in _PARTS.value if p.strip()]
+  bad = sorted(set(parts) - set(PARTS))
+  if bad:
+    raise app.UsageError(f"--parts: unknown {bad}; choose from {PARTS}")
+  cdict = _CONFIG.value
+  c = _typed(cdict)
+  out = {}
+  if os.path.exists(_OUT.value):
+    with open(_OUT.value) as f:
+      out = json.load(f)
+  out["config"] = _config_arg()
+  out["world"] = dict(kind=c.world.kind, seed=c.world.seed)
+  wp = [p for p in parts if p in ("oracle", "names", "lessons")]
+  if wp:
+    out.update(world_parts(c, wp))
+  if "capacity" in parts:
+    import dataclasses
+    cap = _evaluate_warm_start(dataclasses.replace(c, sft=dataclasses.replace(c.sft,
+                                                                            traces="oracle")),
+                               mixed=False)
+    out["capacity"] = cap
+    out["capacity_em"] = cap["em"]
+  if "warm_start" in parts:
+    ws = _evaluate_warm_start(c, mixed=True)
+    out["warm_start"] = ws
+    out["warm_start_em"] = ws["em"]
+  if "grpo" in parts:
+    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+    out.update(grpo_part(cdict, _SEEDS.value, _RUNS.value, overrides))
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(out, f, indent=1, sort_keys=True)
+  keys = ("oracle_em", "heldout_names_seen", "capacity_em", "warm_start_em",
+          "grpo_em50_over_final", "discovery_iqr_steps")
+  print(json.dumps({k: out.get(k) for k in keys}, indent=1))
+  print(f"[world_check] wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
