@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from trace_jax.provenance import environment, fingerprint, tree_fingerprint
 
@@ -42,11 +43,16 @@ def test_tree_fingerprint():
   assert tree_fingerprint(moved) != tree_fingerprint(tree)
 
 
-# The default world's data at 2,000 traces, as committed: any change to the world generator,
-# the expert, the prompts, the tokenizer or the packing moves them (then regenerate with
-# tests/scripts/data_fingerprints.py and say why in the commit); a machine must never move them.
-DEFAULT_WORLD_DATA = {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
-                      "sft_data": "63063f8e85f1"}
+# The data of both worlds (the default variant's and `lessons`) at 2,000 traces, as committed:
+# any change to the world generators, the expert, the prompts, the tokenizer or the packing moves
+# them (then regenerate with tests/scripts/data_fingerprints.py and say why in the commit); a
+# machine must never move them.
+WORLD_DATA = {
+    None: {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
+           "sft_data": "63063f8e85f1"},
+    "lessons": {"world": "5f28c054350d", "traces": "839b96cc386e", "sft_rows": 865,
+                "sft_data": "bfe4d6d2a5ed"},
+}
 
 
 def _data_fingerprints(tmp_path, extra_env=None, variant=None) -> dict:
@@ -69,9 +75,10 @@ def _vector_paths_off() -> dict:
   return {"NPY_DISABLE_CPU_FEATURES": " ".join(found)}
 
 
-def test_world_data_is_the_same_on_every_machine(tmp_path):
+@pytest.mark.parametrize("variant", [None, "lessons"])
+def test_world_data_is_the_same_on_every_machine(tmp_path, variant):
   """The world, its expert traces and the packed warm-start rows equal the committed
   fingerprints, with and without numpy's vector code (a world whose retrieval broke score ties
   by a CPU-dependent partition once gave two machines different warm starts)."""
-  assert _data_fingerprints(tmp_path / "a") == DEFAULT_WORLD_DATA
-  assert _data_fingerprints(tmp_path / "b", _vector_paths_off()) == DEFAULT_WORLD_DATA
+  assert _data_fingerprints(tmp_path / "a", variant=variant) == WORLD_DATA[variant]
+  assert _data_fingerprints(tmp_path / "b", _vector_paths_off(), variant) == WORLD_DATA[variant]

@@ -1,0 +1,160 @@
+"""The many-lessons world (`trace_jax.envs.lessons_world`): its guarantees, its expert, its file
+format, its config, and a smoke run of two methods on it."""
+
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from trace_jax.envs.lessons_world import LessonsWorldConfig, generate_lessons_world
+from trace_jax.envs.synthetic import World, build_tokenizer, expert_trace, oracle_world
+from trace_jax.envs.synthetic_traces import read_fact
+from trace_jax.provenance import world_fingerprint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(n_entities=400, n_relations=12, n_train=600, n_test=120)
+
+
+@pytest.fixture(scope="module")
+def world():
+  return generate_lessons_world(LessonsWorldConfig(seed=3, **SMALL))
+
+
+def test_deterministic_in_seed_and_round_trips(world, tmp_path):
+  again = generate_lessons_world(LessonsWorldConfig(seed=3, **SMALL))
+  assert world_fingerprint(again) == world_fingerprint(world)
+  assert world_fingerprint(generate_lessons_world(LessonsWorldConfig(seed=4, **SMALL))) != \
+      world_fingerprint(world)
+  world.save(str(tmp_path))
+  loaded = World.load(str(tmp_path))
+  assert world_fingerprint(loaded) == world_fingerprint(world)
+  assert loaded.relations == world.relations and loaded.lessons == world.lessons
+  assert loaded.config == world.config and loaded.generation == world.generation
+  # The loaded world's expert behaves as the generated one's.
+  a = [expert_trace(world, e, np.random.default_rng(0)).turns for e in world.train[:20]]
+  b = [expert_trace(loaded, e, np.random.default_rng(0)).turns for e in loaded.train[:20]]
+  assert a == b
+
+
+def test_oracle_answers_every_question_and_decoys_mislead(world):
+  perfect = oracle_world(world)
+  rng = np.random.default_rng(0)
+  for split in (world.train, world.test):
+    assert all(expert_trace(perfect, e, rng).correct for e in split)
+  # Every hop's decoy wordings surface their planted sentence, read as misleading and naming
+  # someone other than the true object.
+  misled = 0
+  for e in world.test[:40]:
+    for r, s, o in zip(e.meta["relations"], e.meta["chain"][:-1], e.meta["chain"][1:]):
+      for query, _ in world.relations[r].decoys:
+        found, _, was_misleading = read_fact(world.search([query.format(x=s)])[0], r, s,
+                                             world.relations)
+        assert found != o
+        misled += was_misleading
+  assert misled > 0.9 * sum(len(e.meta["relations"]) for e in world.test[:40]) * (
+      world.config.n_wordings - 1)
+
+
+def test_no_name_ceiling_and_heldout_is_new(world):
+  train_names = {x for e in world.train for x in e.meta["chain"]}
+  assert all(set(e.meta["chain"]) <= train_names for e in world.test)
+  assert not {e.question for e in world.test} & {e.question for e in world.train}
+  assert {e.hops for e in world.train} <= {2, 3, 4} and len(world.test) > 50
+
+
+def test_lessons_are_independent_words(world):
+  verbs = collections.Counter()
+  for name, rel in world.relations.items():
+    lesson = world.lessons[name]
+    own = [lesson["fact_verb"], *lesson["decoy_verbs"]]
+    assert len(own) == world.config.n_wordings
+    verbs.update(own)
+    assert rel.noun not in own and lesson["fact_verb"] in rel.fact
+    assert rel.query_passage.startswith(lesson["fact_verb"])
+  assert max(verbs.values()) == 1  # no verb shared between relations
+  nouns = [r.noun for r in world.relations.values()]
+  assert len(set(nouns)) == len(nouns)
+  # Every word of the world is a single token (names and verbs alike).
+  tok = build_tokenizer(world)
+  for v in list(verbs)[:10] + [world.train[0].meta["start"]]:
+    assert len(tok.encode(v).ids) == 1
+
+
+def test_frequency_long_tailed_and_expert_rates_followed(world):
+  counts = collections.Counter(r for e in world.train for r in e.meta["relations"])
+  ranked = sorted(counts.values(), reverse=True)
+  assert ranked[0] > 5 * ranked[-1]
+  rates = [v["expert_rate"] for v in world.lessons.values()]
+  lo, hi = world.config.expert_rate_range
+  assert all(lo <= r <= hi for r in rates)
+  # The expert's fact-verb share per relation follows its rate (binomial, 4 sigma).
+  rng = np.random.default_rng(1)
+  used = collections.defaultdict(list)
+  for i in rng.integers(len(world.train), size=3000):
+    for s in expert_trace(world, world.train[int(i)], rng).meta["searches"]:
+      used[s["relation"]].append(s["wording"] == "passage")
+  for r, v in used.items():
+    if len(v) >= 100:
+      p = world.lessons[r]["expert_rate"]
+      assert abs(np.mean(v) - p) < 4 * np.sqrt(p * (1 - p) / len(v)) + 0.01, r
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(n_relations=0), "n_relations"), (dict(n_relations=40), "n_relations"),
+    (dict(n_wordings=1), "n_wordings"), (dict(expert_rate_range=(0.5, 0.2)), "expert_rate"),
+    (dict(hop_weights=(0, 0, 0, 0)), "hop_weights"),
+])
+def test_bad_world_configs_raise(bad, match):
+  with pytest.raises(ValueError, match=match):
+    generate_lessons_world(dataclasses.replace(LessonsWorldConfig(**SMALL), **bad))
+
+
+def test_run_config_checks_world_fields():
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mhqa
+
+  c = mhqa.get_config("lessons")
+  assert mhqa.validate(c).world.kind == "lessons"
+  for field, value, match in (("kind", "maze", "world.kind"), ("n_wordings", 1, "n_wordings"),
+                              ("expert_rate_lo", 0.9, "expert_rate")):
+    bad = mhqa.get_config("lessons")
+    bad.world[field] = value
+    with pytest.raises(ValueError, match=match):
+      mhqa.validate(bad)
+
+
+def test_world_check_world_parts(tmp_path):
+  """launch/world_check.py's parts that need no model, on a small lessons world."""
+  from test_train_smoke import launch
+
+  out = tmp_path / "wc.json"
+  res = launch("world_check.py", "--config=configs/mhqa.py:lessons",
+               f"--config.world.cache_dir={tmp_path}/cache", "--parts=oracle,names,lessons",
+               f"--out={out}", timeout=300)
+  assert res.returncode == 0, res.stdout[-3000:]
+  d = json.loads(out.read_text())
+  assert d["oracle_em"] == 1.0 and d["heldout_names_seen"] == 1.0
+  assert len(d["lessons"]) == 24 and d["n_test"] > 400
+  assert sum(v["train_questions"] for v in d["lessons"].values()) >= d["n_train"]
+
+
+def test_two_methods_train_on_the_lessons_world(tmp_path):
+  """The CI smoke of the lessons world: grpo and trace_tree, two steps each, per-lesson EM
+  logged with every evaluation."""
+  from test_train_smoke import launch, smoke_args
+
+  for method in ("grpo", "trace_tree"):
+    args = [a if not a.startswith("--workdir") else f"--workdir={tmp_path}/{method}"
+            for a in smoke_args(str(tmp_path), 2)]
+    res = launch("train.py", *args, "--config.world.kind=lessons", f"--config.method={method}")
+    assert res.returncode == 0, res.stdout[-3000:]
+    summary = json.loads((tmp_path / method / "summary.json").read_text())
+    assert summary["method"] == method and summary["rollouts"] > 0
+    evals = [json.loads(line) for line in open(tmp_path / method / "metrics.jsonl")
+             if "eval_em" in line]
+    assert evals and all("eval_groups_learned" in r for r in evals)
+    assert any(k.startswith("eval_em_group/r") for k in evals[-1])
