@@ -17,11 +17,16 @@ Parts (each adds its keys to `--out`, a JSON file that keeps the other parts' ke
              lesson, and `mixed_share`: groups of `--group` samples on `--mixed_prompts` train
              prompts at temperature 1, the share of groups with mixed outcomes, over the pool and
              per lesson (a question counts under each lesson it needs);
+  independence  from the warm start, SFT on traces where one lesson's expert rate is 1 (questions
+             that need it, `--independence_steps` steps), for `--independence_lessons` lessons
+             below one half: how far that lesson's fact-verb share moves and, at most, any other's
+             (`independence_max_other_shift`, over lessons searched 30 times or more);
   grpo       GRPO runs of `--seeds` (resumed when their workdirs exist), then from their held-out
              curves: `grpo_em50_over_final` (EM at step 50 over final EM, median over seeds),
              `grpo_plateau_step` (first evaluation within 0.02 of the run's best) and
              `discovery_iqr_steps` (interquartile range over lessons and seeds of the first step at
-             which a lesson's held-out EM passes 0.5, lessons above 0.5 at step 0 left out).
+             which a lesson's fact-verb share among held-out searches passes 0.5, lessons above
+             0.5 at step 0 left out; `discovery_iqr_steps_by_em` the same by per-lesson EM).
 The world's own parts (oracle, names, lessons) take seconds; capacity and warm_start train a warm
 start each (cached under world.cache_dir); grpo trains `len(seeds)` runs.
 """
@@ -42,7 +47,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-PARTS = ("oracle", "names", "lessons", "capacity", "warm_start", "grpo")
+PARTS = ("oracle", "names", "lessons", "capacity", "warm_start", "independence", "grpo")
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
 _PARTS = flags.DEFINE_list("parts", list(PARTS), f"any of {PARTS}")
@@ -53,6 +58,8 @@ _RUNS = flags.DEFINE_string("runs", os.path.join(_ROOT, "runs", "world_check"),
                             "folder of the GRPO runs (part grpo)")
 _GROUP = flags.DEFINE_integer("group", 8, "samples per prompt for the mixed share (warm_start)")
 _MIXED_PROMPTS = flags.DEFINE_integer("mixed_prompts", 256, "train prompts sampled (warm_start)")
+_IND_LESSONS = flags.DEFINE_integer("independence_lessons", 3, "lessons taught (independence)")
+_IND_STEPS = flags.DEFINE_integer("independence_steps", 150, "SFT steps a lesson (independence)")
 
 
 def _typed(cdict):
@@ -109,10 +116,13 @@ def _evaluate_warm_start(c, mixed: bool) -> dict:
   run.engine.update_params(T._policy(run, state))
   t0 = time.time()
   # Chunks the size the run's own evaluation and steps use: the KV pool is sized for them.
-  res = evaluate(run.engine, run.assets.test, batch=c.eval.size)
+  res = evaluate(run.engine, run.assets.test, batch=c.eval.size, keep_trees=True)
+  diag = run.assets.eval_diagnostics(res["trees"])
   out = dict(em=res["em"], n=res["n"], em_by_hops=res["em_by_hops"],
              em_by_lesson=res["em_by_group"],
              lessons_above_half=sum(v > 0.5 for v in res["em_by_group"].values()),
+             fact_verb_by_lesson={k.split("/", 1)[1]: v for k, v in diag.items() if "/" in k},
+             lessons_known=diag.get("lessons_known"),
              warm_start=dict(params_sha1=run.warm_start.get("params_sha1"),
                              rows=run.warm_start.get("rows"),
                              expert_success=run.warm_start.get("expert_success")),
@@ -143,6 +153,56 @@ def _evaluate_warm_start(c, mixed: bool) -> dict:
   return out
 
 
+def independence_part(c) -> dict:
+  """Teaches single lessons on top of the warm start and measures every lesson's fact-verb share
+  before and after (`wording_rates` of greedy held-out rollouts)."""
+  import dataclasses
+
+  from trace_jax import train as T
+  from trace_jax.assets import warm_start_data
+  from trace_jax.evaluate import evaluate
+  from trace_jax.sft import SFTConfig, sft_train
+
+  run = T.build(dataclasses.replace(c, workdir=os.path.join(c.workdir or "runs",
+                                                            "world_check_build")))
+  world, dtype = run.assets.world, c.model.param_dtype
+
+  def rates(params):
+    run.engine.update_params(T.policy_params(params, dtype))
+    res = evaluate(run.engine, run.assets.test, batch=c.eval.size, keep_trees=True)
+    from trace_jax.envs.lessons_world import wording_use
+    use = wording_use(world, (n.text for t in res["trees"] for n in t.nodes[1:] if n.text))
+    return {r: (h / n if n else float("nan"), n) for r, (h, n) in use.items()}, res["em"]
+
+  base, base_em = rates(run.init_params)
+  n_train = {r: sum(r in e.meta["relations"] for e in world.train) for r in world.lessons}
+  cands = sorted((r for r, (v, n) in base.items() if n >= 30 and v < 0.5),
+                 key=lambda r: -n_train[r])[:_IND_LESSONS.value]
+  out = {"base_em": base_em, "taught": {}}
+  shifts = []
+  for k in cands:
+    taught = dataclasses.replace(world, lessons={**world.lessons,
+                                                 k: dict(world.lessons[k], expert_rate=1.0)})
+    examples = [e for e in world.train if k in e.meta["relations"]]
+    _, packed = warm_start_data(c, dataclasses.replace(run.assets, world=taught),
+                                num_traces=min(c.sft.num_traces, 40 * len(examples)),
+                                examples=examples)
+    cfg = SFTConfig(steps=_IND_STEPS.value, batch_rows=c.sft.batch_rows, lr=c.sft.lr / 3,
+                    warmup=10, min_lr_ratio=c.sft.min_lr_ratio)
+    params, _ = sft_train(run.graphdef, run.init_params, packed, cfg, seed=1, desc=f"teach {k}")
+    after, em = rates(params)
+    other = {r: after[r][0] - base[r][0] for r in world.lessons
+             if r != k and base[r][1] >= 30 and after[r][1] >= 30}
+    worst = max(other, key=lambda r: abs(other[r])) if other else None
+    out["taught"][k] = dict(before=base[k][0], after=after[k][0], em_after=em,
+                            max_other_shift=abs(other[worst]) if worst else float("nan"),
+                            max_other_lesson=worst, others_measured=len(other))
+    if worst:
+      shifts.append(abs(other[worst]))
+  out["independence_max_other_shift"] = max(shifts) if shifts else float("nan")
+  return out
+
+
 def grpo_part(cdict, seeds, runs_dir, overrides) -> dict:
   """Trains (or resumes) a GRPO run per seed and reads their held-out curves."""
   os.makedirs(runs_dir, exist_ok=True)
@@ -161,7 +221,8 @@ def grpo_part(cdict, seeds, runs_dir, overrides) -> dict:
 
 
 def read_curve(path: str) -> dict:
-  """{step: {"em": held-out EM, "lessons": {lesson: EM}}} from a run's metrics.jsonl."""
+  """{step: {"em": held-out EM, "lessons": {lesson: EM}, "fact_verb": {lesson: share}}} from a
+  run's metrics.jsonl."""
   out = {}
   with open(path) as f:
     for line in f:
@@ -170,13 +231,30 @@ def read_curve(path: str) -> dict:
         out[int(rec["step"])] = dict(
             em=float(rec["eval_em"]),
             lessons={k.split("/", 1)[1]: float(v) for k, v in rec.items()
-                     if k.startswith("eval_em_group/")})
+                     if k.startswith("eval_em_group/")},
+            fact_verb={k.split("/", 1)[1]: float(v) for k, v in rec.items()
+                       if k.startswith("eval_fact_verb/")})
+  return out
+
+
+def discovery_steps(curve: dict, key: str = "fact_verb") -> list:
+  """Per lesson below one half at the first evaluation: the first evaluated step at which it is
+  above one half (`key`: "fact_verb", the lesson's fact-verb share among held-out searches, or
+  "lessons", its held-out EM). Lessons never found are left out."""
+  steps = sorted(curve)
+  out = []
+  for lesson, v0 in curve[steps[0]][key].items():
+    if v0 > 0.5:
+      continue
+    hit = [s for s in steps if curve[s][key].get(lesson, 0.0) > 0.5]
+    if hit:
+      out.append(hit[0])
   return out
 
 
 def summarize_grpo(curves: dict) -> dict:
   """The grpo part's figures from {seed: read_curve(...)}."""
-  ratio, plateau, discovery, finals = [], [], [], []
+  ratio, plateau, discovery, discovery_em, finals = [], [], [], [], []
   for curve in curves.values():
     steps = sorted(curve)
     ems = [curve[s]["em"] for s in steps]
@@ -186,19 +264,16 @@ def summarize_grpo(curves: dict) -> dict:
     if at50 and final > 0:
       ratio.append(at50[-1] / final)
     plateau.append(next(s for s, e in zip(steps, ems) if e >= best - 0.02))
-    start = curve[steps[0]]["lessons"]
-    for lesson, em0 in start.items():
-      if em0 > 0.5:
-        continue
-      hit = [s for s in steps if curve[s]["lessons"].get(lesson, 0.0) > 0.5]
-      if hit:
-        discovery.append(hit[0])
-  q = np.percentile(discovery, [25, 75]) if discovery else [float("nan")] * 2
+    discovery += discovery_steps(curve, "fact_verb")
+    discovery_em += discovery_steps(curve, "lessons")
+  iqr = lambda v: float(np.subtract(*np.percentile(v, [75, 25]))) if v else float("nan")  # noqa
   return dict(grpo_em50_over_final=float(np.median(ratio)) if ratio else float("nan"),
               grpo_plateau_step=float(np.median(plateau)) if plateau else float("nan"),
               grpo_final_em=[float(x) for x in finals],
-              discovery_iqr_steps=float(q[1] - q[0]),
+              discovery_iqr_steps=iqr(discovery),
               discovery_steps=sorted(int(x) for x in discovery),
+              discovery_iqr_steps_by_em=iqr(discovery_em),
+              discovery_steps_by_em=sorted(int(x) for x in discovery_em),
               grpo_seeds=sorted(curves))
 
 
@@ -239,6 +314,10 @@ def main(argv):
     ws = _evaluate_warm_start(c, mixed=True)
     out["warm_start"] = ws
     out["warm_start_em"] = ws["em"]
+  if "independence" in parts:
+    ind = independence_part(c)
+    out["independence"] = ind
+    out["independence_max_other_shift"] = ind["independence_max_other_shift"]
   if "grpo" in parts:
     overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
     out.update(grpo_part(cdict, _SEEDS.value, _RUNS.value, overrides))
@@ -246,7 +325,7 @@ def main(argv):
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1, sort_keys=True)
   keys = ("oracle_em", "heldout_names_seen", "capacity_em", "warm_start_em",
-          "grpo_em50_over_final", "discovery_iqr_steps")
+          "independence_max_other_shift", "grpo_em50_over_final", "discovery_iqr_steps")
   print(json.dumps({k: out.get(k) for k in keys}, indent=1))
   print(f"[world_check] wrote {_OUT.value}")
 

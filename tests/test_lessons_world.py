@@ -158,3 +158,25 @@ def test_two_methods_train_on_the_lessons_world(tmp_path):
              if "eval_em" in line]
     assert evals and all("eval_groups_learned" in r for r in evals)
     assert any(k.startswith("eval_em_group/r") for k in evals[-1])
+
+
+def test_wording_use_reads_the_policys_queries(world):
+  from trace_jax.envs.lessons_world import wording_rates, wording_use
+
+  r = next(iter(world.lessons))
+  fact, decoy = world.lessons[r]["fact_verb"], world.lessons[r]["decoy_verbs"][0]
+  texts = [f"<think> x </think> <search> {fact} Kelmor </search>",
+           f"<search> {decoy} Kelmor </search>", f"<search> {fact} Zantro </search>",
+           "<answer> Kelmor </answer>", "<search> unknownverb Kelmor </search>",
+           "<search> </search>", "no action at all"]
+  use = wording_use(world, texts)
+  assert use[r] == [2, 3] and sum(n for _, n in use.values()) == 3
+
+  class _Node:
+    def __init__(self, text):
+      self.text = text
+
+  class _Tree:
+    nodes = [_Node(None)] + [_Node(t) for t in texts]
+
+  assert wording_rates(world, [_Tree()]) == {r: 2 / 3}

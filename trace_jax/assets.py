@@ -48,6 +48,22 @@ class Assets:
     from trace_jax.diagnostics import trap_allocation
     return trap_allocation(examples, trees, self.world)
 
+  @property
+  def wants_eval_trees(self) -> bool:
+    """Whether `eval_diagnostics` reads the held-out trees (a lessons world)."""
+    return self.world is not None and bool(getattr(self.world, "lessons", None))
+
+  def eval_diagnostics(self, trees) -> dict:
+    """What held-out greedy trees say beyond EM, logged with the evaluation: on a lessons world,
+    each lesson's fact-verb share among the policy's searches (`fact_verb/<relation>`) and
+    how many lessons are above one half (`lessons_known`)."""
+    if not self.wants_eval_trees:
+      return {}
+    from trace_jax.envs.lessons_world import wording_rates
+    rates = wording_rates(self.world, trees)
+    return {**{f"fact_verb/{r}": v for r, v in sorted(rates.items())},
+            "lessons_known": sum(v > 0.5 for v in rates.values())}
+
 
 REAL_VARIANTS = ("qwen3", "real")  # variant name prefixes that train on real data
 
@@ -343,7 +359,8 @@ def sft_seed(c) -> int:
   return int(c.seed if s < 0 else s)
 
 
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "predictor_features")
+# Where the cache lives is not what it holds.
+_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "predictor_features", "cache_dir")
 # Settings added later that do change the expert traces: in the key only away from the default they
 # were added with, so the caches made before them stay valid.
 _IN_WARM_START_KEY_OFF_DEFAULT = {"trap_rate": _default_trap_rate}
@@ -363,17 +380,18 @@ def warm_start_key(c) -> str:
   sft = {k: v for k, v in dataclasses.asdict(c.sft).items() if k != "seed"}
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   if c.world.kind != "lessons":  # the lessons world's fields shape nothing else
-    world = {k: v for k, v in world.items() if k in ("seed", "cache_dir", "trap_rate", "kind")}
+    world = {k: v for k, v in world.items() if k in ("seed", "trap_rate", "kind")}
   blob = json.dumps({"world": world, "model": model, "sft": sft,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 4}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def warm_start_data(c, assets: Assets, num_traces: int | None = None) -> tuple[list, dict]:
+def warm_start_data(c, assets: Assets, num_traces: int | None = None,
+                    examples: list | None = None) -> tuple[list, dict]:
   """The warm start's training data: `num_traces` (default `sft.num_traces`) expert (or with
-  `sft.traces=oracle`, `oracle_world`'s) traces of the world's train split and their packed rows
-  (`sft.pack_sequences`, `sft.target_positions`).
+  `sft.traces=oracle`, `oracle_world`'s) traces of the world's train split (or of `examples`,
+  world questions) and their packed rows (`sft.pack_sequences`, `sft.target_positions`).
   Bit-identical on every machine for a given config (`data_fingerprints`)."""
   from trace_jax.envs.synthetic import make_sft_dataset, oracle_world
   from trace_jax.sft import encode_segments, pack_sequences, target_positions
@@ -381,7 +399,7 @@ def warm_start_data(c, assets: Assets, num_traces: int | None = None) -> tuple[l
   seed = sft_seed(c)
   n = c.sft.num_traces if num_traces is None else num_traces
   world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
-  recs = make_sft_dataset(world, n, np.random.default_rng(seed))
+  recs = make_sft_dataset(world, n, np.random.default_rng(seed), examples=examples)
   seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
   row_len = c.sft.row_len
   packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),

@@ -389,7 +389,8 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   """Greedy EM on the held-out prompts with the state's policy; recorded at `state.step`."""
   c, step = run.c, state.step
   run.engine.update_params(_policy(run, state))
-  res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))])
+  res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))],
+                 keep_trees=run.assets.wants_eval_trees)
   rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
          "generated_tokens_total": state.totals["generated_tokens"]}
   rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})
@@ -398,6 +399,7 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   if res["em_by_group"]:  # the lessons world: EM per lesson, and how many are above one half
     rec.update({f"eval_em_group/{k}": v for k, v in res["em_by_group"].items()})
     rec["eval_groups_learned"] = sum(v > 0.5 for v in res["em_by_group"].values())
+  rec.update({f"eval_{k}": v for k, v in run.assets.eval_diagnostics(res.get("trees", [])).items()})
   run.writer.write(step, rec)
   if step == 0:
     print(f"[trace_jax] greedy EM before RL: {res['em']:.3f} by hops {res['em_by_hops']}",

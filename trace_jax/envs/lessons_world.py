@@ -232,3 +232,33 @@ def _oracle_reads(world: World, rels, chain) -> bool:
     if found != o or misled:
       return False
   return True
+
+
+def wording_use(world: World, texts) -> dict:
+  """{relation: [fact-verb uses, searches]} over the search actions in `texts` (turn texts of
+  rollouts) whose query starts with one of a relation's verbs: how far each lesson is learned,
+  read off the policy's own queries (held-out EM per lesson mixes in the other lessons a
+  question needs)."""
+  from trace_jax.envs.react import parse_action
+
+  verb_of = {}
+  for r, v in world.lessons.items():
+    verb_of[v["fact_verb"]] = (r, True)
+    verb_of.update({d: (r, False) for d in v["decoy_verbs"]})
+  out = {r: [0, 0] for r in world.lessons}
+  for text in texts:
+    action = parse_action(text)
+    if action.kind != "search" or not action.content:
+      continue
+    hit = verb_of.get(action.content.split()[0])
+    if hit is not None:
+      out[hit[0]][0] += hit[1]
+      out[hit[0]][1] += 1
+  return out
+
+
+def wording_rates(world: World, trees) -> dict:
+  """`wording_use` over every generated turn of `trees`, as {relation: fact-verb share} for the
+  relations searched at least once."""
+  use = wording_use(world, (n.text for t in trees for n in t.nodes[1:] if n.text))
+  return {r: hits / n for r, (hits, n) in use.items() if n}
