@@ -93,6 +93,8 @@ _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run
 _OUT = flags.DEFINE_string("out", "projects/mhqa/results/compare", "output directory")
 _DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
 _PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
+_ARM = flags.DEFINE_string("arm", "", "a label for this invocation's runs (each run row's `arm`; "
+                           "default: the method)")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
     "summarize_only", False, "train nothing: write the summary from the planned runs that have "
     "finished and list the others as missing (a campaign done in pieces)")
@@ -640,6 +642,11 @@ def main(argv):
                                                                  recs[r["run"]]),
                              prompts_per_step(r, _SET.value, base_prompts))
            for r, old in table_rows]
+  sets = dict(x.split("=", 1) for x in _SET.value if "=" in x)
+  world_seed = int(sets.get("world.seed", base.world.seed)) if "world" in base else None
+  table = [dict(t, arm=t.get("arm") or _ARM.value or t["method"],
+                world_seed=t.get("world_seed", world_seed),
+                warm_start_seed=t.get("warm_start_seed", _WARM_SEED.value)) for t in table]
   aggs = aggregate(table)
   os.makedirs(_OUT.value, exist_ok=True)
   out = dict(command="python launch/compare.py " + " ".join(sys.argv[1:]),

@@ -93,6 +93,8 @@ def test_compare_smoke_and_resume(tmp_path):
   for r in runs.values():
     assert r["seed"] == 0 and r["regime"] == "default" and r["budget"] == "tokens"
     assert r["generated_tokens"] > 0 and 0.0 <= r["effective_ratio"] <= 1.0
+    # the lessons campaign's row keys: the arm (the method when no --arm), world and warm seeds
+    assert r["arm"] == r["method"] and r["world_seed"] == 0 and r["warm_start_seed"] == 0
   assert runs["grpo"]["rollouts"] == 6                 # the whole budget at the roots
   assert runs["grpo"]["run"].startswith("default/rollouts/")  # shared with the rollout mode
   assert runs["trace_tree"]["rollouts"] >= 6           # short continuations: at least as many
