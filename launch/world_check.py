@@ -51,7 +51,7 @@ PARTS = ("oracle", "names", "lessons", "capacity", "warm_start", "independence",
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
 _PARTS = flags.DEFINE_list("parts", list(PARTS), f"any of {PARTS}")
-_OUT = flags.DEFINE_string("out", os.path.join(_ROOT, "projects", "mhqa", "results",
+_OUT = flags.DEFINE_string("out", os.path.join(_ROOT, "projects", "lessons", "results",
                                                "world_check_lessons.json"), "results file")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "GRPO run seeds (part grpo)")
 _RUNS = flags.DEFINE_string("runs", os.path.join(_ROOT, "runs", "world_check"),
@@ -277,6 +277,56 @@ def summarize_grpo(curves: dict) -> dict:
               grpo_seeds=sorted(curves))
 
 
+def plot(out: dict, path: str) -> bool:
+  """The lessons at a glance: frequency against the expert's fact-verb rate, colored by the warm
+  start's own fact-verb share; the warm start's mixed share of groups per lesson; and, once the
+  grpo part ran, the discovery steps. Returns whether it wrote `path`."""
+  lessons = out.get("lessons")
+  if not lessons:
+    return False
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = sorted(lessons)
+  w = np.array([lessons[r]["weight"] for r in names])
+  eps = np.array([lessons[r]["expert_rate"] for r in names])
+  ws = out.get("warm_start") or {}
+  fv = ws.get("fact_verb_by_lesson") or {}
+  mixed = ws.get("mixed_share_by_lesson") or {}
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  ax = axes[0]
+  col = np.array([fv.get(r, np.nan) for r in names])
+  known = ~np.isnan(col)
+  ax.scatter(w[~known], eps[~known], c="lightgray", s=60, edgecolors="k")  # not searched yet
+  sc = ax.scatter(w[known], eps[known], c=col[known], cmap="viridis", vmin=0, vmax=1, s=60,
+                  edgecolors="k")
+  ax.set_xscale("log")
+  ax.set(xlabel="relation weight (question frequency)", ylabel="expert's fact-verb rate ε",
+         title="lessons (color: warm start's fact-verb share)")
+  fig.colorbar(sc, ax=ax)
+  ax = axes[1]
+  m = [mixed.get(r, np.nan) for r in names]
+  ax.scatter(eps, m, s=20 + 400 * w / w.max(), alpha=0.7)
+  if "mixed_share" in ws:
+    ax.axhline(ws["mixed_share"], ls="--", c="gray", label=f"pool {ws['mixed_share']:.2f}")
+    ax.legend()
+  ax.set(xlabel="expert's fact-verb rate ε", ylabel="mixed share of groups at the warm start",
+         title="contrast by lesson (size: frequency)")
+  ax = axes[2]
+  steps = out.get("discovery_steps") or []
+  if steps:
+    ax.hist(steps, bins=20)
+    ax.set(title=f"GRPO discovery steps (IQR {out.get('discovery_iqr_steps', float('nan')):.0f})")
+  else:
+    ax.text(0.5, 0.5, "grpo part not run", ha="center", va="center")
+  ax.set(xlabel="step a lesson's fact-verb share passes 0.5", ylabel="lessons (all seeds)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
 def _config_arg() -> str:
   for a in sys.argv[1:]:
     if a.startswith("--config="):
@@ -328,6 +378,9 @@ def main(argv):
           "independence_max_other_shift", "grpo_em50_over_final", "discovery_iqr_steps")
   print(json.dumps({k: out.get(k) for k in keys}, indent=1))
   print(f"[world_check] wrote {_OUT.value}")
+  png = os.path.splitext(_OUT.value)[0] + ".png"
+  if plot(out, png):
+    print(f"[world_check] wrote {png}")
 
 
 if __name__ == "__main__":
