@@ -239,6 +239,7 @@ def get_config(arg: str | None = None):
   elif variant == "lessons":
     c.world.kind = "lessons"
     c.eval.size = 500            # every held-out question: EM per lesson needs them all
+    c.rl.steps = 200             # lessons are found over a long run (launch/world_check.py)
   elif variant in ("smoke", "real_smoke"):
     c.world.cache_dir = "cache/smoke"
     c.sft.num_traces = 600

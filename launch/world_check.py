@@ -21,7 +21,8 @@ Parts (each adds its keys to `--out`, a JSON file that keeps the other parts' ke
              that need it, `--independence_steps` steps), for `--independence_lessons` lessons
              below one half: how far that lesson's fact-verb share moves and, at most, any other's
              (`independence_max_other_shift`, over lessons searched 30 times or more);
-  grpo       GRPO runs of `--seeds` (resumed when their workdirs exist), then from their held-out
+  grpo       GRPO runs of `--seeds` (one warm start: sft.seed 0 unless given; a run resumes when
+             its workdir exists), then from their held-out
              curves: `grpo_em50_over_final` (EM at step 50 over final EM, median over seeds),
              `grpo_plateau_step` (first evaluation within 0.02 of the run's best) and
              `discovery_iqr_steps` (interquartile range over lessons and seeds of the first step at
@@ -210,10 +211,11 @@ def grpo_part(cdict, seeds, runs_dir, overrides) -> dict:
   for s in seeds:
     wd = os.path.join(runs_dir, f"grpo-seed{s}")
     if not os.path.exists(os.path.join(wd, "summary.json")):
+      # One warm start for every seed (sft.seed 0 unless given), as compare.py's runs share one.
       cmd = [sys.executable, os.path.join(_ROOT, "launch", "train.py"),
              f"--config={_config_arg()}", "--config.method=grpo", f"--config.seed={s}",
-             f"--workdir={wd}"] + [o for o in overrides if not o.startswith(("--config.seed=",
-                                                                          "--config.method="))]
+             "--config.sft.seed=0", f"--workdir={wd}"] + [
+                 o for o in overrides if not o.startswith(("--config.seed=", "--config.method="))]
       print("[world_check]", " ".join(cmd), flush=True)
       subprocess.run(cmd, check=True)
     curves[s] = read_curve(os.path.join(wd, "metrics.jsonl"))
