@@ -120,7 +120,7 @@ def test_run_config_checks_world_fields():
   c = mhqa.get_config("lessons")
   assert mhqa.validate(c).world.kind == "lessons"
   for field, value, match in (("kind", "maze", "world.kind"), ("n_wordings", 1, "n_wordings"),
-                              ("expert_rate_lo", 0.9, "expert_rate")):
+                              ("expert_rate_lo", 0.95, "expert_rate")):
     bad = mhqa.get_config("lessons")
     bad.world[field] = value
     with pytest.raises(ValueError, match=match):

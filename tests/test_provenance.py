@@ -50,8 +50,8 @@ def test_tree_fingerprint():
 WORLD_DATA = {
     None: {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
            "sft_data": "63063f8e85f1"},
-    "lessons": {"world": "5f28c054350d", "traces": "839b96cc386e", "sft_rows": 865,
-                "sft_data": "bfe4d6d2a5ed"},
+    "lessons": {"world": "67c0cce5ae4a", "traces": "61cb58983187", "sft_rows": 880,
+                "sft_data": "900b53af5b7c"},
 }
 
 

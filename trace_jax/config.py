@@ -43,7 +43,7 @@ class WorldSection:
   n_wordings: int = 2
   zipf_exponent: float = 0.8
   expert_rate_lo: float = 0.05
-  expert_rate_hi: float = 0.8
+  expert_rate_hi: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,9 @@ world where allocation can matter, and this is built on principle, not for one m
     verbs, and which verb is right is drawn per relation, so learning one says nothing of
     another.
   * Relation frequency is long-tailed (weights 1 / rank^zipf_exponent over a random order), and
-    the expert's rate of using the fact verb (`expert_rate`, epsilon_k) is drawn independently of
-    frequency, so some lessons are rare *and* hard to stumble on.
+    the expert's rate of using the fact verb (`expert_rate`, epsilon_k; evenly spaced over a
+    range) is paired with relations independently of frequency, so some lessons are rare *and*
+    hard to stumble on.
   * 2 to 4 hops; any hop may be a lesson the policy has not learned, so prefixes before such a hop
     are real branching points and prefixes after it are decided.
   * No name ceiling: every name a held-out question's chain passes through appears in some train
@@ -72,7 +73,10 @@ def lesson_relations(cfg: LessonsWorldConfig, names: set, rng) -> tuple[dict, di
     raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
   verbs = _make_verbs(k * w, names, rng)
   ranks = rng.permutation(k)
-  rates = rng.uniform(lo, hi, size=k)
+  # Stratified: the K rates are evenly spaced over [lo, hi] (cell midpoints), in a random order,
+  # so every world has the same spread of difficulty and only its pairing with frequency (drawn
+  # independently) differs between seeds.
+  rates = lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
   relations, lessons = {}, {}
   for i in range(k):
     own = verbs[i * w:(i + 1) * w]

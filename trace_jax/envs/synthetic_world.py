@@ -77,9 +77,9 @@ class LessonsWorldConfig:
   n_relations: int = 24  # K lessons (at most len(NOUNS))
   n_wordings: int = 2  # W query verbs per relation: one fact verb, W - 1 decoys
   zipf_exponent: float = 0.8  # relation weights 1 / rank^s, ranks in a seeded random order
-  # The expert's rate of the fact verb per relation, uniform on this range, drawn independently
-  # of frequency (the other W - 1 verbs share the rest evenly).
-  expert_rate_range: tuple = (0.05, 0.8)
+  # The expert's rate of the fact verb per relation: evenly spaced over this range, assigned to
+  # relations in a random order independent of frequency (the other W - 1 verbs share the rest).
+  expert_rate_range: tuple = (0.05, 0.9)
   out_degree: tuple = (1, 2, 3)  # relations an entity is the subject of, drawn evenly
   hop_weights: tuple = (0.0, 0.4, 0.35, 0.25)  # P(1 hop), ..., P(4 hops)
   n_train: int = 4000
