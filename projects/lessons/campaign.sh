@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 31's pre-registered comparison on the many-lessons world (projects/lessons/README.md says
+# what is fixed and why). One `launch/compare.py` invocation per arm, world seed and warm start;
+# resumable (a finished run is skipped), so the campaign is run in pieces:
+#   bash projects/lessons/campaign.sh tune            # world seeds 0-1: fixes BEST_BETA
+#   bash projects/lessons/campaign.sh decide          # world seed 2, warm starts 0 and 1
+#   bash projects/lessons/campaign.sh control         # the negative control and the old world
+#   bash projects/lessons/campaign.sh decide grpo     # one arm of a phase
+# Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=projects/lessons/results/arms
+# Run length: GRPO's plateau on the world check (results/world_check_lessons.json) within 200.
+STEPS=${STEPS:-200}
+# Written here after the tune phase and committed before any deciding run (the issue's rule).
+BEST_BETA=${BEST_BETA:-}
+COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
+        --set=rl.steps="$STEPS" --set=eval.every=10)
+# Issue 30's estimates, together (its best arm): tree values from children, the predictor fit
+# on the unselected slice with a holdout and a 4-head ensemble, and the discovery root objective.
+BEST=(--set=rl.tree_values=children --set=rl.predictor_slice=true --set=rl.predictor_holdout=0.2
+      --set=rl.predictor_ensemble=4 --set=rollout.root_objective=discovery)
+
+arm() {  # arm NAME WORLD_SEED WARM_START_SEED [compare.py flags...]
+  local name=$1 world=$2 ws=$3
+  shift 3
+  local tag="w${world}-ws${ws}"
+  echo "=== $tag/$name ($(date -u +%H:%M:%S))"
+  python launch/compare.py "${COMMON[@]}" --arm="$name" --warm_start_seed="$ws" \
+    --set=world.seed="$world" --runs="runs/lessons/$tag/$name" --out="$OUT/$tag/$name" "$@"
+}
+
+decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered arms
+  local name=$1 world=$2 ws=$3
+  shift 3
+  case $name in
+    grpo) arm grpo "$world" "$ws" --methods=grpo --seeds=5 "$@" ;;
+    dapo) arm dapo "$world" "$ws" --methods=dapo --baseline_seeds=3 "$@" ;;
+    root_only) arm root_only "$world" "$ws" --methods=root_only --baseline_seeds=3 "$@" ;;
+    trace_paper) arm trace_paper "$world" "$ws" --methods=trace_tree --seeds=5 "$@" ;;
+    trace_best)
+      if [ -z "$BEST_BETA" ]; then echo "BEST_BETA is not set: run the tune phase first"; return 2; fi
+      arm trace_best "$world" "$ws" --methods=trace_tree --seeds=5 "${BEST[@]}" \
+        --set=rollout.discovery_beta="$BEST_BETA" "$@" ;;
+    trace_hard) arm trace_hard "$world" "$ws" --methods=trace_tree --seeds=3 \
+                  --set=rollout.hard_prompts=4 "$@" ;;
+    *) echo "unknown arm $name"; return 2 ;;
+  esac
+}
+
+phase() {
+  local p=$1
+  shift
+  local only=("$@")
+  case $p in
+    tune)  # world seeds 0-1, warm start 0, 2 RL seeds: β of the estimates arm, grpo beside it
+      for world in 0 1; do
+        for beta in 0.25 0.5 1.0; do
+          [ ${#only[@]} -gt 0 ] && [[ ! " ${only[*]} " =~ " beta$beta " ]] && continue
+          arm "tune_beta$beta" "$world" 0 --methods=trace_tree --seeds=2 "${BEST[@]}" \
+            --set=rollout.discovery_beta="$beta"
+        done
+        [ ${#only[@]} -eq 0 ] || [[ " ${only[*]} " =~ " grpo " ]] && \
+          arm tune_grpo "$world" 0 --methods=grpo --seeds=2
+      done ;;
+    decide)  # world seed 2 (never used to fix a knob), warm starts 0 and 1
+      local arms=(grpo trace_paper trace_best dapo root_only trace_hard)
+      [ ${#only[@]} -gt 0 ] && arms=("${only[@]}")
+      for ws in 0 1; do for a in "${arms[@]}"; do decide_arm "$a" 2 "$ws"; done; done ;;
+    control)  # world seed 2 with uniform frequency and one ε for every lesson, then the old world
+      local flat=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.475
+                  --set=world.expert_rate_hi=0.475)
+      if [ -z "$BEST_BETA" ]; then echo "BEST_BETA is not set: run the tune phase first"; return 2; fi
+      arm control_grpo 2 0 --methods=grpo --seeds=3 "${flat[@]}"
+      arm control_trace_paper 2 0 --methods=trace_tree --seeds=3 "${flat[@]}"
+      arm control_trace_best 2 0 --methods=trace_tree --seeds=3 "${flat[@]}" "${BEST[@]}" \
+        --set=rollout.discovery_beta="$BEST_BETA"
+      arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
+      arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
+        "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
+    *) echo "unknown phase $p (tune, decide, control)"; return 2 ;;
+  esac
+}
+
+[ $# -eq 0 ] && { echo "usage: $0 tune|decide|control [arm ...]"; exit 2; }
+phase "$@"

@@ -1,0 +1,339 @@
+"""The lessons campaign's deciding figures, from every arm `campaign.sh` ran.
+
+  python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
+      [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000]
+
+Reads each `<arms>/<w{world}-ws{warm}>/<arm>/summary.json` (compare.py's schema) and its archived
+per-step records, and writes to `--out`:
+  summary.json   {"runs": [...], "arms": [...], ...}: every run row (method, arm, seed,
+                 warm_start_sha1, world_seed, em_curve_mean, em_at_equal_tokens, lessons learned
+                 at half and all of the budget, seconds per step, seconds to reach the reference's
+                 final EM) and per arm, world seed and phase the means with a hierarchical
+                 bootstrap 95% interval of the difference to the reference arm (warm starts
+                 resampled, then seeds within each);
+  summary.md     the same as tables;
+  em_vs_tokens.png, lessons_learned.png, discovery.png, wall_clock.png.
+
+Definitions. Mean EM at equal tokens: the area under held-out EM against cumulative generated
+tokens (every token that steers counts: compare.py's `generated_tokens_total`), from 0 to the
+smallest total any run of the same world reached, divided by that budget (EM is linear between
+evaluations; step 0 is the warm start's). A lesson is learned when its held-out EM is above 0.5
+(`eval_em_group/`); `fact_verb` counts lessons whose fact-verb share among held-out searches is
+above 0.5 (`eval_fact_verb/`). Discovery: the first evaluation at which a lesson's fact-verb share
+passes 0.5, among lessons below it at step 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.join(_ROOT, "launch"))
+sys.path.insert(0, _ROOT)
+
+from campaign import archived_records, read_summary  # noqa: E402
+
+
+def eval_curve(records: list[dict]) -> list[dict]:
+  """The evaluation records of a run, by step (step 0 first, with 0 tokens)."""
+  out = [r for r in records if "eval_em" in r and r.get("step", -1) >= 0]
+  out.sort(key=lambda r: r["step"])
+  return out
+
+
+def em_at_equal_tokens(curve: list[dict], budget: float) -> float:
+  """Mean held-out EM over [0, budget] generated tokens (see the module docstring); a run whose
+  last evaluation came before `budget` holds its last EM."""
+  if budget <= 0 or not curve:
+    return float("nan")
+  x = np.asarray([r.get("generated_tokens_total", 0) for r in curve], np.float64)
+  y = np.asarray([r["eval_em"] for r in curve], np.float64)
+  if x[-1] < budget:
+    x, y = np.append(x, budget), np.append(y, y[-1])
+  grid = np.concatenate([x[x < budget], [budget]])
+  return float(np.trapezoid(np.interp(grid, x, y), grid) / budget)
+
+
+def _count_above(rec: dict, prefix: str) -> int:
+  return sum(1 for k, v in rec.items() if k.startswith(prefix) and v > 0.5)
+
+
+def lessons_at(curve: list[dict], tokens: float, prefix: str = "eval_em_group/") -> int | None:
+  """Lessons above 0.5 at the last evaluation within `tokens` generated tokens."""
+  within = [r for r in curve if r.get("generated_tokens_total", 0) <= tokens]
+  return _count_above(within[-1], prefix) if within else None
+
+
+def discovery(curve: list[dict]) -> dict:
+  """{lesson: step its fact-verb share first passes 0.5}, lessons at or below 0.5 at step 0."""
+  if not curve:
+    return {}
+  first = {k.split("/", 1)[1]: v for k, v in curve[0].items() if k.startswith("eval_fact_verb/")}
+  out = {}
+  for lesson, v0 in first.items():
+    if v0 > 0.5:
+      continue
+    hit = [r["step"] for r in curve if r.get(f"eval_fact_verb/{lesson}", 0.0) > 0.5]
+    if hit:
+      out[lesson] = int(hit[0])
+  return out
+
+
+def seconds_per_step(records: list[dict]) -> float:
+  """Median sampling plus update seconds of the run's steps (evaluations excluded)."""
+  v = [r["sample_seconds"] + r["update_seconds"] for r in records
+       if "sample_seconds" in r and "update_seconds" in r]
+  return float(np.median(v)) if v else float("nan")
+
+
+def seconds_to_reach(curve: list[dict], records: list[dict], target: float) -> float:
+  """Sampling plus update seconds until the first evaluation at or above `target` (nan: never)."""
+  hit = next((r["step"] for r in curve if r["eval_em"] >= target), None)
+  if hit is None:
+    return float("nan")
+  return float(sum(r["sample_seconds"] + r["update_seconds"] for r in records
+                   if "sample_seconds" in r and r.get("step", 0) <= hit))
+
+
+def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dict:
+  """Difference of means (arm - ref) with a 95% interval. `arm`, `ref`: {warm start: [per-seed
+  values]}. Each replicate draws warm starts with replacement (shared by both arms: they start
+  from the same warm starts), then seeds with replacement within each drawn warm start."""
+  rng = np.random.default_rng(seed)
+  wss = sorted(set(arm) & set(ref))
+  if not wss:
+    return dict(diff=float("nan"), lo=float("nan"), hi=float("nan"), n_warm_starts=0)
+  mean_of = lambda d: float(np.mean([np.mean(d[w]) for w in wss]))  # noqa: E731
+  reps = np.empty(n)
+  for i in range(n):
+    pick = [wss[j] for j in rng.integers(len(wss), size=len(wss))]
+    a = [np.mean(rng.choice(arm[w], size=len(arm[w]))) for w in pick]
+    b = [np.mean(rng.choice(ref[w], size=len(ref[w]))) for w in pick]
+    reps[i] = np.mean(a) - np.mean(b)
+  lo, hi = np.percentile(reps, [2.5, 97.5])
+  return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
+              n_warm_starts=len(wss))
+
+
+def load_runs(arms_dir: str) -> list[dict]:
+  """Every run of every arm: its compare.py row plus its evaluation curve and records."""
+  runs = []
+  for path in sorted(glob.glob(os.path.join(arms_dir, "*", "*", "summary.json"))):
+    out_dir = os.path.dirname(path)
+    tag = os.path.basename(os.path.dirname(out_dir))
+    summary = read_summary(out_dir)
+    for row in summary["runs"]:
+      recs = archived_records(out_dir, row["run"]) or []
+      runs.append(dict(row, tag=tag, world_overrides=[
+          o for o in summary.get("overrides", []) if o.startswith("world.")],
+          records=recs, curve=eval_curve(recs)))
+  return runs
+
+
+def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
+  """Adds the per-run figures and the per-arm aggregates (by world seed and setting)."""
+  worlds = {}
+  for r in runs:
+    key = (r.get("world_seed"), _setting(r["arm"]))
+    worlds.setdefault(key, []).append(r)
+  arms_out = []
+  for (world, setting), rs in sorted(worlds.items(), key=lambda kv: str(kv[0])):
+    budget = min(r["curve"][-1].get("generated_tokens_total", 0) for r in rs if r["curve"])
+    ref = [r for r in rs if r["arm"] == _ref_name(reference, setting)]
+    ref_final = float(np.mean([r["curve"][-1]["eval_em"] for r in ref])) if ref else float("nan")
+    for r in rs:
+      c = r["curve"]
+      r["em_at_equal_tokens"] = em_at_equal_tokens(c, budget)
+      r["budget_tokens"] = budget
+      r["lessons_learned_half"] = lessons_at(c, budget / 2)
+      r["lessons_learned_all"] = lessons_at(c, budget)
+      r["fact_verb_lessons_half"] = lessons_at(c, budget / 2, "eval_fact_verb/")
+      r["fact_verb_lessons_all"] = lessons_at(c, budget, "eval_fact_verb/")
+      r["seconds_per_step"] = seconds_per_step(r["records"])
+      r["seconds_to_reference_final"] = seconds_to_reach(c, r["records"], ref_final)
+      r["discovery"] = discovery(c)
+    by_arm = {}
+    for r in rs:
+      by_arm.setdefault(r["arm"], []).append(r)
+    for arm, ars in sorted(by_arm.items()):
+      agg = dict(arm=arm, world_seed=world, setting=setting, runs=len(ars),
+                 warm_starts=sorted({r.get("warm_start_sha1") for r in ars}, key=str))
+      for k in ("em_at_equal_tokens", "em_curve_mean", "effective_ratio",
+                "lessons_learned_half", "lessons_learned_all", "fact_verb_lessons_half",
+                "fact_verb_lessons_all", "seconds_per_step", "seconds_to_reference_final",
+                "generated_tokens"):
+        v = [float(r[k]) for r in ars if r.get(k) is not None and np.isfinite(float(r[k]))]
+        agg[k] = float(np.mean(v)) if v else None
+        agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
+      if ref and arm != ref[0]["arm"]:
+        group = lambda xs: _by_ws(xs, "em_at_equal_tokens")  # noqa: E731
+        agg["vs_reference"] = hierarchical_bootstrap(group(ars), group(ref), n=boot)
+        ha = _by_ws(ars, "lessons_learned_half")
+        hr = _by_ws(ref, "lessons_learned_half")
+        ma, mr = _mean_nested(ha), _mean_nested(hr)
+        agg["lessons_half_ratio"] = ma / mr if mr else None
+      arms_out.append(agg)
+  return dict(arms=arms_out)
+
+
+def _setting(arm: str) -> str:
+  return "control" if arm.startswith("control_") else "old" if arm.startswith("old_") else (
+      "tune" if arm.startswith("tune_") else "decide")
+
+
+def _ref_name(reference: str, setting: str) -> str:
+  return {"control": f"control_{reference}", "old": f"old_{reference}",
+          "tune": f"tune_{reference}"}.get(setting, reference)
+
+
+def _by_ws(runs, key) -> dict:
+  out = {}
+  for r in runs:
+    v = r.get(key)
+    if v is not None and np.isfinite(float(v)):
+      out.setdefault(r.get("warm_start_seed", r.get("warm_start_sha1")), []).append(float(v))
+  return out
+
+
+def _mean_nested(d: dict) -> float:
+  return float(np.mean([np.mean(v) for v in d.values()])) if d else float("nan")
+
+
+def markdown(result: dict) -> str:
+  lines = ["| setting | world | arm | runs | mean EM at equal tokens | vs reference (95% CI) | "
+           "EM over run | lessons learned half / all | fact-verb lessons half / all | "
+           "lessons at half vs reference | effective ratio | s / step | s to reference's final "
+           "EM | generated tokens |", "|" + "---|" * 14]
+  f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+  for a in result["arms"]:
+    vs = a.get("vs_reference")
+    vs_s = "-" if not vs else f"{vs['diff']:+.3f} [{vs['lo']:+.3f}, {vs['hi']:+.3f}]"
+    lines.append(
+        f"| {a['setting']} | {a['world_seed']} | {a['arm']} | {a['runs']} | "
+        f"{f(a['em_at_equal_tokens'])} ± {f(a['em_at_equal_tokens_std'])} | {vs_s} | "
+        f"{f(a['em_curve_mean'])} | {f(a['lessons_learned_half'], 1)} / "
+        f"{f(a['lessons_learned_all'], 1)} | {f(a['fact_verb_lessons_half'], 1)} / "
+        f"{f(a['fact_verb_lessons_all'], 1)} | {f(a.get('lessons_half_ratio'), 2)} | "
+        f"{f(a['effective_ratio'])} | {f(a['seconds_per_step'], 1)} | "
+        f"{f(a['seconds_to_reference_final'], 0)} | {f(a['generated_tokens'], 0)} |")
+  return "\n".join(lines) + "\n"
+
+
+def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = None) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  arms = sorted({r["arm"] for r in runs})
+  colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for r in runs:
+    c = r["curve"]
+    ax.plot([x.get("generated_tokens_total", 0) for x in c], [x["eval_em"] for x in c],
+            color=colors[r["arm"]], alpha=0.35)
+  for a in arms:
+    ax.plot([], [], color=colors[a], label=a)
+  ax.set(xlabel="generated tokens (cumulative)", ylabel="held-out EM", title="EM against tokens")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "em_vs_tokens.png"), dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  aggs = [a for a in result["arms"] if a["lessons_learned_all"] is not None]
+  xs = np.arange(len(aggs))
+  ax.bar(xs - 0.2, [a["lessons_learned_half"] or 0 for a in aggs], 0.4, label="half budget")
+  ax.bar(xs + 0.2, [a["lessons_learned_all"] or 0 for a in aggs], 0.4, label="whole budget")
+  ax.set_xticks(xs, [f"{a['setting']}/w{a['world_seed']}/{a['arm']}" for a in aggs], rotation=60,
+                ha="right", fontsize=7)
+  ax.set(ylabel="lessons with held-out EM > 0.5", title="lessons learned")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "lessons_learned.png"), dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 5))
+  for r in runs:
+    info = (lessons or {}).get((r.get("world_seed"), tuple(r.get("world_overrides", ()))))
+    if info is None:
+      continue
+    d = r["discovery"]
+    x = [info[k]["weight"] * info[k]["expert_rate"] for k in d if k in info]
+    ax.scatter(x, [d[k] for k in d if k in info], color=colors[r["arm"]], s=12, alpha=0.6)
+  for a in arms:
+    ax.scatter([], [], color=colors[a], label=a)
+  ax.set_xscale("log")
+  ax.set(xlabel="frequency x expert rate", ylabel="discovery step",
+         title="when each lesson was found")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "discovery.png"), dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  aggs = [a for a in result["arms"] if a["seconds_per_step"] is not None]
+  xs = np.arange(len(aggs))
+  ax.bar(xs, [a["seconds_per_step"] for a in aggs])
+  ax.set_xticks(xs, [f"{a['setting']}/w{a['world_seed']}/{a['arm']}" for a in aggs], rotation=60,
+                ha="right", fontsize=7)
+  ax.set(ylabel="seconds per RL step (median)", title="wall clock")
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "wall_clock.png"), dpi=110)
+  plt.close(fig)
+
+
+def world_lessons(world_seed: int, overrides: list[str]) -> dict:
+  """The lessons (weight, expert rate) of the world a run trained on (regenerated: seconds)."""
+  sys.path.insert(0, os.path.join(_ROOT, "configs"))
+  import mhqa
+
+  from trace_jax.assets import lessons_world_config
+  from trace_jax.envs.lessons_world import generate_lessons_world
+
+  c = mhqa.get_config("lessons")
+  for o in overrides:
+    key, _, value = o.partition("=")
+    sec, _, field = key.partition(".")
+    if sec == "world" and field in c.world and field != "seed":
+      c.world[field] = type(c.world[field])(value)
+  c.world.seed = int(world_seed)
+  c.world.kind = "lessons"
+  return generate_lessons_world(lessons_world_config(mhqa.validate(c))).lessons
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--arms", default=os.path.join(_ROOT, "projects", "lessons", "results", "arms"))
+  p.add_argument("--out", default=os.path.join(_ROOT, "projects", "lessons", "results",
+                                               "lessons"))
+  p.add_argument("--reference", default="grpo")
+  p.add_argument("--boot", type=int, default=10000)
+  a = p.parse_args(argv)
+  runs = load_runs(a.arms)
+  if not runs:
+    raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
+  result = table(runs, a.reference, a.boot)
+  os.makedirs(a.out, exist_ok=True)
+  rows = [{k: v for k, v in r.items() if k not in ("records", "curve")} for r in runs]
+  with open(os.path.join(a.out, "summary.json"), "w") as f:
+    json.dump(dict(command="python projects/lessons/lessons_table.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), runs=rows, **result), f, indent=1)
+  with open(os.path.join(a.out, "summary.md"), "w") as f:
+    f.write(markdown(result))
+  lessons = {}
+  for r in runs:
+    key = (r.get("world_seed"), tuple(r["world_overrides"]))
+    if r.get("world_seed") is not None and key not in lessons and not r["arm"].startswith("old_"):
+      lessons[key] = world_lessons(r["world_seed"], r["world_overrides"])
+  plots(runs, result, a.out, lessons)
+  print(markdown(result))
+
+
+if __name__ == "__main__":
+  main()

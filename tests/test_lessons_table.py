@@ -1,0 +1,96 @@
+"""projects/lessons/lessons_table.py: the lessons campaign's figures, on made-up campaign files."""
+
+import gzip
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "projects", "lessons"))
+
+import lessons_table as lt  # noqa: E402
+
+
+def _curve(pairs, lessons=None):
+  out = []
+  for i, (tok, em) in enumerate(pairs):
+    r = {"step": 10 * i, "eval_em": em, "generated_tokens_total": tok}
+    for k, v in (lessons or [{}] * len(pairs))[i].items():
+      r[f"eval_em_group/{k}"] = v
+      r[f"eval_fact_verb/{k}"] = v
+    out.append(r)
+  return out
+
+
+def test_em_at_equal_tokens_is_the_area_per_token():
+  c = _curve([(0, 0.0), (100, 1.0)])
+  assert lt.em_at_equal_tokens(c, 100) == pytest.approx(0.5)
+  assert lt.em_at_equal_tokens(c, 50) == pytest.approx(0.25)
+  assert lt.em_at_equal_tokens(c, 200) == pytest.approx(0.75)  # holds its last EM
+  assert np.isnan(lt.em_at_equal_tokens(c, 0))
+
+
+def test_lessons_and_discovery():
+  c = _curve([(0, 0.1), (50, 0.3), (100, 0.6)],
+             [{"a": 0.2, "b": 0.7}, {"a": 0.6, "b": 0.8}, {"a": 0.9, "b": 0.9, "c": 0.6}])
+  assert lt.lessons_at(c, 60) == 2 and lt.lessons_at(c, 100) == 3 and lt.lessons_at(c, -1) is None
+  assert lt.discovery(c) == {"a": 10}  # b was known at step 0, c was never evaluated then
+  recs = [{"step": s, "sample_seconds": 1.0, "update_seconds": 0.5} for s in range(1, 21)]
+  assert lt.seconds_per_step(recs) == 1.5
+  assert lt.seconds_to_reach(c, recs, 0.3) == pytest.approx(15.0)  # steps 1-10
+  assert np.isnan(lt.seconds_to_reach(c, recs, 0.99))
+
+
+def test_hierarchical_bootstrap():
+  rng = np.random.default_rng(0)
+  ref = {w: list(0.4 + 0.02 * rng.standard_normal(5)) for w in (0, 1)}
+  arm = {w: [v + 0.1 for v in ref[w]] for w in (0, 1)}
+  b = lt.hierarchical_bootstrap(arm, ref, n=2000)
+  assert b["diff"] == pytest.approx(0.1) and b["lo"] > 0.05 and b["hi"] < 0.15
+  same = lt.hierarchical_bootstrap(ref, ref, n=2000)
+  assert same["lo"] < 0 < same["hi"] and b["n_warm_starts"] == 2
+  assert np.isnan(lt.hierarchical_bootstrap({0: [1.0]}, {1: [0.0]})["diff"])
+
+
+def _write_arm(arms, tag, arm, method, world, ws, em_scale):
+  out = arms / tag / arm
+  rows = []
+  for seed in range(2):
+    run = f"default/tokens/{method}-seed{seed}"
+    d = out / "runs" / run
+    d.mkdir(parents=True)
+    recs = [{"step": s, "sample_seconds": 2.0, "update_seconds": 1.0} for s in range(1, 21)]
+    recs += _curve([(0, 0.1), (1000, 0.1 + em_scale), (2000 + seed, 0.1 + 2 * em_scale)],
+                   [{"r00_mentor": 0.2}, {"r00_mentor": 0.4 + em_scale},
+                    {"r00_mentor": 0.6}])
+    with gzip.open(d / "metrics.jsonl.gz", "wt") as f:
+      f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+    (d / "summary.json").write_text("{}")
+    rows.append(dict(method=method, seed=seed, run=run, arm=arm, world_seed=world,
+                     warm_start_seed=ws, warm_start_sha1=f"sha{ws}", em_curve_mean=0.2,
+                     effective_ratio=0.5, generated_tokens=2000))
+  (out / "summary.json").write_text(json.dumps(dict(runs=rows, overrides=[f"world.seed={world}"])))
+
+
+def test_main_writes_the_campaign_summary(tmp_path):
+  arms = tmp_path / "arms"
+  for ws in (0, 1):
+    _write_arm(arms, f"w2-ws{ws}", "grpo", "grpo", 2, ws, 0.1)
+    _write_arm(arms, f"w2-ws{ws}", "trace_best", "trace_tree", 2, ws, 0.15)
+  out = tmp_path / "lessons"
+  lt.main([f"--arms={arms}", f"--out={out}", "--boot=500"])
+  s = json.loads((out / "summary.json").read_text())
+  assert len(s["runs"]) == 8
+  for r in s["runs"]:
+    for k in ("method", "arm", "seed", "warm_start_sha1", "world_seed", "em_curve_mean",
+              "em_at_equal_tokens"):
+      assert k in r, k
+  best = next(a for a in s["arms"] if a["arm"] == "trace_best")
+  assert best["vs_reference"]["diff"] > 0 and best["vs_reference"]["n_warm_starts"] == 2
+  assert best["seconds_per_step"] == 3.0 and best["runs"] == 4
+  for name in ("summary.md", "em_vs_tokens.png", "lessons_learned.png", "discovery.png",
+               "wall_clock.png"):
+    assert (out / name).stat().st_size > 0, name
