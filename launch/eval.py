@@ -220,7 +220,7 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
-  from trace_jax.envs import prompts, react
+  from trace_jax.envs import prompts
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.parallel import initialize, make_mesh, shard_state
@@ -301,9 +301,10 @@ def main(argv):
   scfg = sampler_config(c)  # evaluation is greedy whatever the temperature
   try:  # on a mesh as the train loop samples: pages and slots split over the data shards
     engine = SamplerEngine(graphdef, params, scfg, encode, decode,
-                           TreeEnvAdapter(env, golds_key="answers"), eos_id,
+                           TreeEnvAdapter(env), eos_id,
                            mesh=mesh if mesh.size > 1 else None,
-                           observation_close=react.INFO_CLOSE)
+                           stop_strings=env.stop_strings,
+                         observation_close=env.observation_close)
     engine.check_tree_fits(1, "a greedy rollout")
   except ValueError as e:
     _fail(f"sampler on mesh {dict(mesh.shape)}: {e}")

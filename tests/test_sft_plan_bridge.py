@@ -78,7 +78,7 @@ class _Docs:
 
 def test_env_adapter_carries_turn_count_and_format_flags_into_forks():
   env = MultiHopEnv(_Docs(), "em_format", max_turns=3, topk=1)
-  step = TreeEnvAdapter(env, golds_key="answers")
+  step = TreeEnvAdapter(env)
   tree = Tree([1, 2], uid=7, meta={"answers": ["Paris"]})
 
   def turn(parent, text):

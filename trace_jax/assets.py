@@ -38,6 +38,7 @@ class Assets:
   test: list
   retriever: object
   world: object = None    # the synthetic world, when used
+  env: object = None      # a `ToolEnv` of the caller's own task (default: `build_env`'s)
 
   def step_diagnostics(self, examples, trees) -> dict:
     """What the data source can say of a step's sampled trees beyond their rewards, logged with

@@ -58,8 +58,8 @@ from trace_jax.rl.update import (UpdateConfig, init_train_state, jit_update_step
 from trace_jax.allocation import strategies
 from trace_jax.allocation.driver import RolloutDriver, StepSample
 from trace_jax.config import TrainConfig, driver_config, sampler_config, update_config
-from trace_jax.envs import react
 from trace_jax.envs.adapter import TreeEnvAdapter
+from trace_jax.envs.interface import check_env
 from trace_jax.sampling.multiprocess import ProcessShardedEngine, sampling_copy
 from trace_jax.sampling.engine import PromptRequest, SamplerEngine
 
@@ -103,6 +103,8 @@ def _host(tree):
 def _retriever_stats(env) -> dict:
   """The environment's retriever counters since the last call, summed over the processes (the
   mean latency weighted by calls, the max over processes)."""
+  if not hasattr(env, "retriever_stats"):  # a task without a retriever
+    return {}
   st = env.retriever_stats(reset=True)
   if jax.process_count() == 1:
     return st
@@ -206,10 +208,12 @@ class LoopState:
 
 
 # ---- setup, data, model, warm start, sampler, driver, update step ------------------------------
-def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
+def build(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> Run:
   """Builds the run of config `c` (validated: `configs/convert.py`): workdir, mesh, data and
   model, the warm start (synthetic world), the sampler engine and rollout driver, the predictor
-  fitter and the jitted update step. `hooks` wrap parts of it (`Hooks`)."""
+  fitter and the jitted update step. `hooks` wrap parts of it (`Hooks`). `assets`
+  (`assets.Assets`, with its `env` a `ToolEnv`) plugs in a task of the caller's own: its
+  tokenizer, examples and environment replace the config's data, and there is no warm start."""
   t_start = time.time()
   hooks = hooks or Hooks()
   initialize()
@@ -226,8 +230,9 @@ def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
   writer = MetricWriter(workdir) if _primary() else NullWriter()
 
   # ---- data and model
-  synthetic = not assets_lib.uses_real_data(c)
-  assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
+  synthetic = assets is None and not assets_lib.uses_real_data(c)
+  if assets is None:
+    assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
   head = PredictorHead(feature_width(model.cfg.hidden_size, c.model.predictor_features),
@@ -247,11 +252,12 @@ def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
           f"{warm_start_info.get('seconds', 0):.0f}s)", flush=True)
 
   # ---- environment, sampler and driver
-  env = assets_lib.build_env(c, assets)
+  env = assets.env if assets.env is not None else assets_lib.build_env(c, assets)
   if hooks.retriever is not None:
     env.retriever = hooks.retriever(env.retriever)
   if hooks.env is not None:
     env = hooks.env(env)
+  check_env(env)
   # Several processes: sampling is process-local, each process's engine on its own block of the
   # mesh with a copy of the weights, sampling its share of the requests and seeing every tree (see
   # `ProcessShardedEngine`); the update runs on the global mesh.
@@ -260,9 +266,10 @@ def build(c: TrainConfig, hooks: Hooks | None = None) -> Run:
   sample_mesh = process_mesh if multi else mesh
   sample_params = sampling_copy(params, mesh, model.cfg.num_kv_heads) if multi else params
   engine = SamplerEngine(graphdef, sample_params, sampler_config(c), assets.encode,
-                         assets.decode, TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
+                         assets.decode, TreeEnvAdapter(env), assets.eos_id,
                          mesh=sample_mesh if sample_mesh.size > 1 else None,
-                         observation_close=react.INFO_CLOSE)
+                         stop_strings=env.stop_strings,
+                         observation_close=env.observation_close)
   engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
   if multi:
     engine = ProcessShardedEngine(engine, mesh)
@@ -750,13 +757,14 @@ class StopSignal:
       signal.signal(sig, old)
 
 
-def train(c: TrainConfig, hooks: Hooks | None = None) -> dict:
+def train(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> dict:
   """Runs warm start (synthetic world) and RL with the configured method; returns the summary.
+  `assets`: a task of the caller's own (`build`).
 
   SIGTERM/SIGINT finish the current step, checkpoint it and raise `Preempted`; signs of divergence
   raise `Diverged` without checkpointing the bad state (see `check_divergence`)."""
   with StopSignal() as stop:
-    run = build(c, hooks)
+    run = build(c, hooks, assets)
     state = restore(run) or init_state(run)
     stop.agree()  # (several processes: every read of the flag follows an agreement)
     if stop.requested:

@@ -62,7 +62,6 @@ def main(argv):
 
   from trace_jax import assets as assets_lib
   from trace_jax.diagnostics import classify_failure, failure_breakdown, prefix_signal
-  from trace_jax.envs import react
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
@@ -95,8 +94,9 @@ def main(argv):
                     topk=c.retriever.topk)
   scfg = sampler_config(c, num_pages=6 * c.rollout.num_pages)
   engine = SamplerEngine(graphdef, params, scfg, assets.encode, assets.decode,
-                         TreeEnvAdapter(env, golds_key="answers"), assets.eos_id,
-                         observation_close=react.INFO_CLOSE)
+                         TreeEnvAdapter(env), assets.eos_id,
+                         stop_strings=env.stop_strings,
+                         observation_close=env.observation_close)
   rng = np.random.default_rng(c.seed)
   probe = [assets.train[i] for i in rng.choice(len(assets.train), _PROMPTS.value, replace=False)]
   out = dict(command="python projects/mhqa/probe_warm_start.py " + " ".join(sys.argv[1:]),

@@ -1,4 +1,5 @@
-"""Environments: ReAct protocol, scoring, retrieval, the multi-hop env and the synthetic world.
+"""Environments: the interface a tool task implements (`interface.ToolEnv`), the ReAct protocol,
+scoring, retrieval, the multi-hop env and the synthetic worlds.
 
 Names are imported lazily, so `import trace_jax.envs.react` (or the HTTP retriever) does not pull
 in bm25s, numpy or tokenizers.
@@ -7,7 +8,9 @@ in bm25s, numpy or tokenizers.
 import importlib
 
 _EXPORTS = {
-    "EnvState": "env", "MultiHopEnv": "env", "StepResult": "env", "segments_to_tokens": "env",
+    "EnvState": "env", "MultiHopEnv": "env", "segments_to_tokens": "env",
+    "FunctionEnv": "interface", "StepResult": "interface", "ToolEnv": "interface",
+    "check_env": "interface", "TreeEnvAdapter": "adapter",
     "build_search_r1_prompt": "prompts", "synthetic_prompt": "prompts",
     "STOP_STRINGS": "react", "Action": "react", "format_observation": "react",
     "parse_action": "react", "truncate_observation": "react",

@@ -1,10 +1,10 @@
 """Adapts a stateful batched environment to the sampler's `env_step` callback.
 
-The sampler hands the environment `(TurnRef(tree, node), generated_text)` pairs. A stateful
-environment (e.g. `trace_jax.envs.env.MultiHopEnv`: `reset(golds, example_id) -> state`,
-`step_batch(states, texts) -> results` with `observation_text`, `done`, `reward`, `info`) keeps one
-state per rollout; in a tree, a turn's state is a copy of its parent turn's state, so forked
-branches continue from the state at their anchor. This adapter keeps the state after every node.
+The sampler hands the environment `(TurnRef(tree, node), generated_text)` pairs. A `ToolEnv`
+(`trace_jax.envs.interface`: `reset(example) -> state`, `step_batch(states, texts) -> results`
+with `observation_text`, `done`, `reward`, `info`) keeps one state per rollout; in a tree, a turn's
+state is a copy of its parent turn's state, so forked branches continue from the state at their
+anchor. This adapter keeps the state after every node.
 """
 
 from __future__ import annotations
@@ -17,22 +17,42 @@ class TreeEnvAdapter:
   """Callable `env_step` for `SamplerEngine` over a stateful batched environment.
 
   Args:
-    env: has `reset(golds, example_id=...)` and `step_batch(states, action_texts)`.
-    golds_key: key of the gold answers in `Tree.meta`; `Tree.meta.get("id")` names the example.
+    env: has `reset(example)` and `step_batch(states, action_texts)`; the example is the tree's
+      `meta` (the prompt's example dict), with `id` defaulting to the tree's uid.
 
   Attributes:
     infos: (tree uid, node id) -> the step's `info` dict (action kind, query, em, ...).
+
+  Example (a tool that counts turns; a fork continues from its anchor's count):
+
+  >>> from trace_jax.envs.interface import FunctionEnv, StepResult
+  >>> from trace_jax.sampling.config import TurnRef
+  >>> from trace_jax.sampling.tree import Tree
+  >>> class Count:
+  ...   def reset(self, example):
+  ...     return {"n": 0}
+  ...   def step(self, state, text):
+  ...     state["n"] += 1
+  ...     return StepResult(f"[{state['n']}]", False, 0.0, {})
+  >>> step = TreeEnvAdapter(FunctionEnv(Count(), stop_strings=("</a>",), max_turns=9))
+  >>> t = Tree([1, 2], uid=7, meta={"id": "q"})
+  >>> a = t.add_node(0)
+  >>> b, fork = t.add_node(a.id), t.add_node(a.id)  # two branches from the same anchor
+  >>> [obs for obs, done, r in step([(TurnRef(t, a), "x")])]
+  ['[1]']
+  >>> [obs for obs, done, r in step([(TurnRef(t, b), "x"), (TurnRef(t, fork), "y")])]
+  ['[2]', '[2]']
   """
 
-  def __init__(self, env, golds_key: str = "golds"):
-    self.env, self.golds_key = env, golds_key
+  def __init__(self, env):
+    self.env = env
     self.states: dict[tuple[int, int], object] = {}
     self.infos: dict[tuple[int, int], dict] = {}
 
   def _state_for(self, tree, node):
     if node.parent == 0:
-      return self.env.reset(tree.meta[self.golds_key],
-                            example_id=str(tree.meta.get("id", tree.uid)))
+      meta = tree.meta
+      return self.env.reset(meta if "id" in meta else {**meta, "id": str(tree.uid)})
     parent = self.states.get((tree.uid, node.parent))
     if parent is None:
       raise KeyError(f"no environment state for node {node.parent} of tree {tree.uid}; was it "

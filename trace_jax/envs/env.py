@@ -11,11 +11,12 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from trace_jax.envs import react
+from trace_jax.envs.interface import StepResult
 from trace_jax.envs.scoring import RewardFn, exact_match, f1, get_reward_fn
 from trace_jax.envs.types import Retriever
 
@@ -44,18 +45,9 @@ class EnvState:
     return dataclasses.replace(self, golds=list(self.golds))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-  """observation_text is None when the rollout is done (nothing to append)."""
-
-  observation_text: Optional[str]
-  done: bool
-  reward: float
-  info: dict
-
-
 class MultiHopEnv:
-  """Search/answer environment over any `Retriever`.
+  """Search/answer environment over any `Retriever`: the multi-hop QA task's `ToolEnv`
+  (`trace_jax.envs.interface`).
 
   Args:
     retriever: answers all searches of a `step_batch` in one `search` call.
@@ -95,7 +87,18 @@ class MultiHopEnv:
     self._stats_lock = threading.Lock()
     self._window = _zero_window()
 
-  def reset(self, golds: Union[str, Sequence[str]], example_id: str = "") -> EnvState:
+  stop_strings = react.STOP_STRINGS
+  observation_close = react.INFO_CLOSE
+
+  def reset(self, golds: Union[str, Sequence[str], Mapping], example_id: str = "") -> EnvState:
+    """A fresh state: from an example (a mapping with `answers`, or `golds`, and `id`) or from
+    the gold answers themselves."""
+    if isinstance(golds, Mapping):
+      example = golds
+      if "answers" not in example and "golds" not in example:
+        raise ValueError(f"example {example.get('id', '?')!r} has no 'answers'")
+      golds = example["answers"] if "answers" in example else example["golds"]
+      example_id = str(example.get("id", example_id))
     golds = [golds] if isinstance(golds, str) else list(golds)
     if not golds:
       raise ValueError("an example needs at least one gold answer")
