@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
@@ -15,14 +15,37 @@ from trace_jax.envs.types import Doc
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 TAG_TOKENS = react.ALL_TAGS  # think, search, answer, information: open and close.
-_TAG_RE = re.compile("|".join(re.escape(t) for t in TAG_TOKENS))
 _PLACEHOLDER_RE = re.compile(r"\{[a-z]\}")
 
 
-def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-  return pre_tokenizers.Sequence(
-      [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
-  )
+def _pre_tokenizer(digits: bool = False) -> pre_tokenizers.PreTokenizer:
+  parts = [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
+  if digits:
+    parts.append(pre_tokenizers.Digits(individual_digits=True))
+  return pre_tokenizers.Sequence(parts)
+
+
+def word_tokenizer(texts: Iterable[str], tags: Sequence[str], digits: bool = False) -> Tokenizer:
+  """Word-level tokenizer over the words of `texts`: special tokens, then `tags` (added tokens:
+  single ids that survive `decode`), then the words, sorted. Ids are deterministic given the
+  texts: <pad>=0, <bos>=1, <eos>=2, <unk>=3, tags from 4. Names keep their case; punctuation is
+  split off; with `digits`, numbers are split into single digits (ten tokens cover every number).
+  `decode` joins tokens with spaces."""
+  tag_re = re.compile("|".join(re.escape(t) for t in tags))
+  pre = _pre_tokenizer(digits)
+  words = set()
+  for text in texts:
+    text = _PLACEHOLDER_RE.sub(" ", tag_re.sub(" ", text))
+    words.update(w for w, _ in pre.pre_tokenize_str(text))
+  if digits:
+    words.update("0123456789")
+  words -= set(SPECIAL_TOKENS) | set(tags)
+  vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(tags) + sorted(words))}
+  tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+  tok.pre_tokenizer = _pre_tokenizer(digits)
+  tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+  return tok
 
 
 def _protocol_texts(topk: int, schema: dict = RELATIONS) -> list[str]:
@@ -50,24 +73,9 @@ def _world_texts(world: World) -> Iterable[str]:
 
 
 def build_tokenizer(world: World) -> Tokenizer:
-  """Word-level tokenizer: special tokens, then the eight tags, then the world's words, sorted.
-
-  Ids are deterministic given the world: <pad>=0, <bos>=1, <eos>=2, <unk>=3, tags from 4. The tags
-  are added (non-special) tokens, so they are single ids and survive `decode`. Names keep their
-  case; punctuation is split off. `decode` joins tokens with spaces.
-  """
-  pre = _pre_tokenizer()
-  words = set()
-  for text in _world_texts(world):
-    text = _PLACEHOLDER_RE.sub(" ", _TAG_RE.sub(" ", text))
-    words.update(w for w, _ in pre.pre_tokenize_str(text))
-  words -= set(SPECIAL_TOKENS) | set(TAG_TOKENS)
-  vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(TAG_TOKENS) + sorted(words))}
-  tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-  tok.pre_tokenizer = _pre_tokenizer()
-  tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
-  tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-  return tok
+  """Word-level tokenizer of a synthetic world (`word_tokenizer` over its texts and the protocol's
+  fixed texts, with the eight ReAct tags)."""
+  return word_tokenizer(_world_texts(world), TAG_TOKENS)
 
 
 def build_hf_tokenizer(world: World):

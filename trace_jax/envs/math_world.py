@@ -1,0 +1,408 @@
+"""Tool-use math: word problems whose arithmetic goes through a calculator, checked by math-verify.
+
+The task (`MathTask`, a `FunctionEnv` task): each turn the policy either calls the calculator,
+`<calculate> 40 * ( 100 - 25 ) / 100 </calculate>`, and reads `<result> 30 </result>`, or answers,
+`<answer> 30 </answer>`, which ends the rollout with reward 1 when `math_verify` finds it equal to
+the gold answer. The calculator is `calculator.calculate` (parsed, never `eval`ed); anything
+malformed (an unclosed tag, no action, a refused expression) gets an error observation, never an
+exception.
+
+The embedded generator (`generate_math_world`) writes problems procedurally from templates, each
+a few calculator steps, with an expert that solves them and a *planted systematic mistake* per
+template (a discount taken as the price, an area where the perimeter was asked...), made at a
+rate drawn per template: as in the lessons world (`lessons_world`), each template is a lesson
+RL can learn from contrast, and a tiny model can warm-start on the expert's traces. Numbers are
+drawn so every correct step is a whole number. Procedural generators of many task families
+exist, but they give problems and answers, not the step-by-step tool calls and the planted
+mistakes an imitation warm start needs; these templates give both.
+
+A reader for real data (`read_math_jsonl`): GSM8K/MATH-style JSONL or parquet with a question and
+an answer field (GSM8K's "#### 42" final-answer line and MATH's \\boxed{} are both understood).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from trace_jax.envs.calculator import CalculatorError, calculate, format_value
+from trace_jax.envs.interface import FunctionEnv, StepResult
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALC_OPEN, CALC_CLOSE = "<calculate>", "</calculate>"
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+TAGS = (THINK_OPEN, THINK_CLOSE, CALC_OPEN, CALC_CLOSE, RESULT_OPEN, RESULT_CLOSE, ANSWER_OPEN,
+        ANSWER_CLOSE)
+STOP_STRINGS = (CALC_CLOSE, ANSWER_CLOSE)
+MAX_ANSWER_CHARS = 64  # longer answers are wrong without parsing them
+PROMPT = ("solve the problem . use <calculate> expression </calculate> for arithmetic , then "
+          "give <answer> number </answer> .\nproblem : {question}\n")
+
+_DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=[\d.])|(?<=\.)\s+(?=\d)")
+
+
+def squash_digits(text: str) -> str:
+  """Joins digits a word-level tokenizer's `decode` spaced apart ("4 0 . 5" -> "40.5")."""
+  return _DIGIT_SPACE.sub("", text)
+
+
+def math_prompt(question: str) -> str:
+  return PROMPT.format(question=question)
+
+
+# ---- the environment ---------------------------------------------------------------------------
+
+
+def answers_match(prediction: Optional[str], golds: Sequence[str]) -> bool:
+  """Whether `prediction` equals any gold answer under `math_verify` (numbers, fractions, LaTeX);
+  None, empty or over-long predictions are wrong."""
+  if not prediction or len(prediction) > MAX_ANSWER_CHARS:
+    return False
+  from math_verify import parse, verify
+
+  logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice
+  # Timeouts off: they use signals, which only the main thread may set; the inputs are short.
+  pred = parse(squash_digits(prediction), parsing_timeout=None)
+  if not pred:
+    return False
+  return any(verify(parse(str(g), parsing_timeout=None), pred, timeout_seconds=None)
+             for g in golds)
+
+
+def _between(text: str, open_: str, close: str) -> Optional[str]:
+  i = text.find(open_)
+  if i < 0:
+    return None
+  j = text.find(close, i + len(open_))
+  return None if j < 0 else text[i + len(open_):j]
+
+
+class MathTask:
+  """Calculator and answer checking for `FunctionEnv` (see the module docstring). The example's
+  `answers` are the gold answers."""
+
+  def __init__(self):
+    self.counters = dict(calculations=0, calculator_errors=0, answers=0, invalid_actions=0)
+
+  def reset(self, example) -> dict:
+    golds = example.get("answers")
+    if not golds:
+      raise ValueError(f"example {example.get('id', '?')!r} has no 'answers'")
+    return {"golds": [str(g) for g in golds]}
+
+  def step(self, state: dict, text: str) -> StepResult:
+    text = text if isinstance(text, str) else ""
+    ia, ic = text.find(ANSWER_OPEN), text.find(CALC_OPEN)
+    answer = _between(text, ANSWER_OPEN, ANSWER_CLOSE)
+    expr = _between(text, CALC_OPEN, CALC_CLOSE)
+    if answer is not None and (expr is None or ia < ic):
+      self.counters["answers"] += 1
+      ok = answers_match(answer.strip(), state["golds"])
+      return StepResult(None, True, float(ok), {"action": "answer", "prediction": answer.strip(),
+                                                "em": float(ok)})
+    if expr is None:
+      self.counters["invalid_actions"] += 1
+      why = ("unclosed tag" if ia >= 0 or ic >= 0 else "no <calculate> or <answer> action")
+      return StepResult(f"{RESULT_OPEN} error : {why} {RESULT_CLOSE}", False, 0.0,
+                        {"action": "invalid", "error": why})
+    self.counters["calculations"] += 1
+    try:
+      value = format_value(calculate(squash_digits(expr)))
+    except CalculatorError as e:
+      self.counters["calculator_errors"] += 1
+      return StepResult(f"{RESULT_OPEN} error : {e} {RESULT_CLOSE}", False, 0.0,
+                        {"action": "calculate", "error": str(e)})
+    return StepResult(f"{RESULT_OPEN} {value} {RESULT_CLOSE}", False, 0.0,
+                      {"action": "calculate", "value": value})
+
+
+def make_math_env(max_turns: int = 6) -> FunctionEnv:
+  """The math task's `ToolEnv`."""
+  return FunctionEnv(MathTask(), stop_strings=STOP_STRINGS, observation_close=RESULT_CLOSE,
+                     max_turns=max_turns)
+
+
+# ---- the embedded generator --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+  """A problem family: `draw(rng)` gives (numbers dict, question text); `solve(numbers, mistake)`
+  gives the steps [(what the step is, expression)] of the correct method or of the planted
+  mistake."""
+
+  name: str
+  draw: Callable
+  solve: Callable
+
+
+def _shirts(rng):
+  price, off, n = int(rng.integers(1, 11)) * 20, int(rng.choice([10, 20, 25, 50, 75])), \
+      int(rng.integers(2, 9))
+  return dict(price=price, off=off, n=n), (
+      f"a shirt costs {price} dollars . it is {off} percent off . how many dollars do {n} "
+      f"shirts cost ?")
+
+
+def _shirts_solve(x, mistake):
+  one = (f"{x['price']} * {x['off']} / 100" if mistake
+         else f"{x['price']} * ( 100 - {x['off']} ) / 100")
+  return [("price of one shirt", one), ("price of all shirts", "{0} * " + str(x["n"]))]
+
+
+def _train(rng):
+  h = int(rng.integers(2, 6))
+  speed, t = int(rng.integers(3, 20)) * 5, int(rng.integers(2, 9))
+  return dict(dist=speed * h, h=h, t=t), (
+      f"a train goes {speed * h} km in {h} hours . how many km does it go in {t} hours ?")
+
+
+def _train_solve(x, mistake):
+  rate = f"{x['dist']} * {x['h']}" if mistake else f"{x['dist']} / {x['h']}"
+  return [("km per hour", rate), ("km in the new time", "{0} * " + str(x["t"]))]
+
+
+def _fence(rng):
+  a, b, c = int(rng.integers(3, 30)), int(rng.integers(3, 30)), int(rng.integers(2, 9))
+  return dict(a=a, b=b, c=c), (
+      f"a garden is {a} m long and {b} m wide . a fence costs {c} dollars per m . how many "
+      f"dollars does a fence around the garden cost ?")
+
+
+def _fence_solve(x, mistake):
+  edge = f"{x['a']} * {x['b']}" if mistake else f"2 * ( {x['a']} + {x['b']} )"
+  return [("length of the fence", edge), ("cost of the fence", "{0} * " + str(x["c"]))]
+
+
+def _savings(rng):
+  a, w = int(rng.integers(2, 30)), int(rng.integers(3, 12))
+  b = int(rng.integers(1, a * w))
+  return dict(a=a, w=w, b=b), (
+      f"sam saves {a} dollars a week for {w} weeks and then spends {b} dollars . how many "
+      f"dollars are left ?")
+
+
+def _savings_solve(x, mistake):
+  saved = f"{x['a']} + {x['w']}" if mistake else f"{x['a']} * {x['w']}"
+  return [("dollars saved", saved), ("dollars left", "{0} - " + str(x["b"]))]
+
+
+def _ages(rng):
+  a, b, c = int(rng.integers(3, 40)), int(rng.integers(1, 20)), int(rng.integers(1, 15))
+  return dict(a=a, b=b, c=c), (
+      f"ann is {a} years old . bob is {b} years older than twice ann 's age . how old will bob "
+      f"be in {c} years ?")
+
+
+def _ages_solve(x, mistake):
+  bob = f"2 * ( {x['a']} + {x['b']} )" if mistake else f"2 * {x['a']} + {x['b']}"
+  return [("bob 's age now", bob), ("bob 's age later", "{0} + " + str(x["c"]))]
+
+
+def _boxes(rng):
+  per, boxes, eaten = int(rng.integers(3, 15)), int(rng.integers(2, 12)), int(rng.integers(2, 6))
+  kids = int(rng.integers(2, 6))
+  total = per * boxes - eaten
+  eaten += total % kids  # the rest shares evenly
+  return dict(per=per, boxes=boxes, eaten=eaten, kids=kids), (
+      f"a box holds {per} cookies . there are {boxes} boxes . {eaten} cookies are eaten and "
+      f"the rest is shared by {kids} kids . how many cookies does each kid get ?")
+
+
+def _boxes_solve(x, mistake):
+  return [("cookies in all boxes", f"{x['per']} * {x['boxes']}"),
+          ("cookies left", "{0} - " + str(x["eaten"])),
+          ("cookies per kid", "{1} / " + str(x["kids"]) if not mistake
+           else "{1} * " + str(x["kids"]))]
+
+
+TEMPLATES = (Template("shirts", _shirts, _shirts_solve), Template("train", _train, _train_solve),
+             Template("fence", _fence, _fence_solve), Template("savings", _savings, _savings_solve),
+             Template("ages", _ages, _ages_solve), Template("boxes", _boxes, _boxes_solve))
+
+
+@dataclasses.dataclass
+class MathWorldConfig:
+  seed: int = 0
+  n_train: int = 4000
+  n_test: int = 500
+  # The expert's rate of the correct method per template: evenly spaced over this range, paired
+  # with templates at random (as the lessons world's expert rates).
+  expert_rate_range: tuple = (0.2, 0.7)
+
+
+@dataclasses.dataclass
+class MathProblem:
+  id: str
+  question: str
+  answers: list
+  template: str
+  numbers: dict
+
+
+@dataclasses.dataclass
+class MathWorld:
+  config: MathWorldConfig
+  train: list
+  test: list
+  expert_rates: dict  # template -> rate of the correct method
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "math_world.json"), "w") as f:
+      json.dump(dict(config=dataclasses.asdict(self.config), expert_rates=self.expert_rates,
+                     train=[dataclasses.asdict(p) for p in self.train],
+                     test=[dataclasses.asdict(p) for p in self.test]), f)
+
+  @classmethod
+  def load(cls, directory: str) -> "MathWorld":
+    path = os.path.join(directory, "math_world.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path} not found: not a directory written by MathWorld.save")
+    with open(path) as f:
+      p = json.load(f)
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
+    return cls(MathWorldConfig(**cfg), [MathProblem(**x) for x in p["train"]],
+               [MathProblem(**x) for x in p["test"]], p["expert_rates"])
+
+
+def solution(template: Template, numbers: dict, mistake: bool) -> list[tuple[str, str, str]]:
+  """[(what, expression, value)] of a method, earlier values filled into later expressions."""
+  values, out = [], []
+  for what, expr in template.solve(numbers, mistake):
+    expr = expr.format(*values)
+    v = format_value(calculate(expr))
+    values.append(v)
+    out.append((what, expr, v))
+  return out
+
+
+def generate_math_world(cfg: Optional[MathWorldConfig] = None) -> MathWorld:
+  """Problems of every template (drawn evenly), deduplicated, split into train and held-out;
+  deterministic in the seed."""
+  cfg = cfg or MathWorldConfig()
+  lo, hi = cfg.expert_rate_range
+  if not 0.0 <= lo <= hi <= 1.0:
+    raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
+  rng = np.random.default_rng(cfg.seed)
+  k = len(TEMPLATES)
+  rates = lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
+  problems, seen = [], set()
+  want = cfg.n_train + cfg.n_test
+  attempts = 0
+  while len(problems) < want and attempts < 50 * want:
+    attempts += 1
+    t = TEMPLATES[int(rng.integers(k))]
+    numbers, question = t.draw(rng)
+    if question in seen:
+      continue
+    seen.add(question)
+    answer = solution(t, numbers, mistake=False)[-1][2]
+    problems.append(MathProblem(id="", question=question, answers=[answer], template=t.name,
+                                numbers=numbers))
+  order = rng.permutation(len(problems))
+  test = [problems[i] for i in order[:cfg.n_test]]
+  train = [problems[i] for i in order[cfg.n_test:]]
+  for split, ps in (("train", train), ("test", test)):
+    for i, p in enumerate(ps):
+      p.id = f"{split}-{i}"
+  return MathWorld(cfg, train, test, {t.name: float(r) for t, r in zip(TEMPLATES, rates)})
+
+
+def expert_segments(world: MathWorld, problem: MathProblem, rng: np.random.Generator,
+                    oracle: bool = False) -> tuple[list[tuple[str, bool]], bool]:
+  """The expert's solution as [(text, is_generated)] (prompt, turns, results) and whether its
+  answer is right: the template's correct method at its expert rate, else the planted mistake
+  (`oracle`: always correct). The results are the calculator's own."""
+  template = next(t for t in TEMPLATES if t.name == problem.template)
+  mistake = (not oracle) and rng.random() >= world.expert_rates[problem.template]
+  steps = solution(template, problem.numbers, mistake)
+  segs = [(math_prompt(problem.question), False)]
+  for what, expr, value in steps:
+    segs.append((f"{THINK_OPEN} {what} {THINK_CLOSE} {CALC_OPEN} {expr} {CALC_CLOSE}", True))
+    segs.append((f"{RESULT_OPEN} {value} {RESULT_CLOSE}", False))
+  answer = steps[-1][2]
+  segs.append((f"{THINK_OPEN} the answer is {answer} {THINK_CLOSE} {ANSWER_OPEN} {answer} "
+               f"{ANSWER_CLOSE}", True))
+  return segs, answer == problem.answers[0]
+
+
+def math_texts(world: MathWorld) -> list[str]:
+  """Every text the task, its prompts and its expert write (for the tokenizer's vocabulary)."""
+  texts = [math_prompt(""), "error : the answer is", "unclosed tag",
+           "no <calculate> or <answer> action", "only numbers and + - * / // % ** ( ) are "
+           "allowed", "division by zero", "number too large", "result too precise",
+           "expression nested too deeply", "empty expression", "not an arithmetic expression",
+           "exponent must be a whole number up to", "expression longer than characters",
+           "expected text", "not a number", ". -"]
+  rng = np.random.default_rng(0)
+  for t in TEMPLATES:
+    numbers, question = t.draw(rng)
+    texts.append(question)
+    for mistake in (False, True):
+      texts += [what for what, _, _ in solution(t, numbers, mistake)]
+  return texts
+
+
+def build_math_tokenizer(world: MathWorld):
+  """Word-level tokenizer of the math task: its words, single digits, operators and the tags."""
+  from trace_jax.envs.synthetic_tokenizer import word_tokenizer
+
+  return word_tokenizer(math_texts(world) + ["( ) * / + - % ."], TAGS, digits=True)
+
+
+# ---- real data -----------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+
+
+def final_answer(solution_text: str) -> Optional[str]:
+  """The final answer of a GSM8K ("... #### 42") or MATH ("... \\boxed{42}") solution."""
+  if "####" in solution_text:
+    return solution_text.rsplit("####", 1)[1].strip().replace(",", "")
+  boxed = _BOXED.findall(solution_text)
+  return boxed[-1].strip() if boxed else None
+
+
+def read_math_jsonl(path: str) -> list[MathProblem]:
+  """GSM8K/MATH-style records from a local JSONL or parquet file: a `question` (or `problem`)
+  field and an `answer` (or `solution`) field holding the worked solution or the bare answer.
+  Records without a recoverable answer raise ValueError naming the line."""
+  if path.endswith(".parquet"):
+    import pyarrow.parquet as pq
+    records = pq.read_table(path).to_pylist()
+  else:
+    records = []
+    with open(path, encoding="utf-8") as f:
+      for lineno, line in enumerate(f, start=1):
+        if line.strip():
+          try:
+            records.append(json.loads(line))
+          except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+  out = []
+  for i, r in enumerate(records):
+    q = r.get("question", r.get("problem"))
+    sol = r.get("answer", r.get("solution"))
+    if not isinstance(q, str) or not isinstance(sol, str):
+      raise ValueError(f"{path} record {i + 1}: needs string fields question/problem and "
+                       f"answer/solution")
+    ans = final_answer(sol) or (sol.strip() if len(sol.strip()) <= MAX_ANSWER_CHARS else None)
+    if not ans:
+      raise ValueError(f"{path} record {i + 1}: no final answer (#### or \\boxed{{}}) found")
+    out.append(MathProblem(id=str(r.get("id", i)), question=q, answers=[ans], template="real",
+                           numbers={}))
+  return out
+
+
+__all__ = ["MathProblem", "MathTask", "MathWorld", "MathWorldConfig", "TEMPLATES",
+           "answers_match", "build_math_tokenizer", "expert_segments", "final_answer",
+           "generate_math_world", "make_math_env", "math_prompt", "read_math_jsonl",
+           "solution", "squash_digits"]
