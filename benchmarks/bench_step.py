@@ -24,7 +24,7 @@ import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.join(_ROOT, "configs"))
+sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402

@@ -13,7 +13,7 @@ import math
 import os
 
 from trace_jax.allocation.allocators import ROOT_OBJECTIVES
-from trace_jax.config import SFT_TRACES, WORLD_KINDS, TrainConfig
+from trace_jax.config import SFT_TRACES, TASKS, WORLD_KINDS, TrainConfig
 from trace_jax.rl.advantages import VALUE_ESTIMATORS
 from trace_jax.rl.batch import PACKINGS
 
@@ -230,6 +230,7 @@ def validate(c: TrainConfig) -> None:
   _at_least(c, "rollout.metric_rollouts", 0)
   if not 0 <= c.world.trap_rate <= 1:
     raise ValueError(f"world.trap_rate={c.world.trap_rate} must be in [0, 1]")
+  _choice(c, "task", TASKS)
   _choice(c, "world.kind", WORLD_KINDS)
   _choice(c, "sft.traces", SFT_TRACES)
   if not 1 <= c.world.n_relations <= 32:

@@ -20,6 +20,7 @@ DEFAULT_TRAP_RATE = 0.7  # SyntheticWorldConfig.trap_rate: the world of every ea
 def _base():
   c = ml_collections.ConfigDict()
   c.variant = "tiny"
+  c.task = "mhqa"           # mhqa (search) | math (a calculator; configs/math.py)
   c.method = "trace_tree"   # a registered strategy: trace_tree (tree-aware), trace (paper),
   #                           grpo, ...
   c.seed = 0
@@ -304,7 +305,7 @@ def validate(c):
   `configs/convert.py`."""
   here = os.path.dirname(os.path.abspath(__file__))
   if here not in sys.path:
-    sys.path.insert(0, here)
+    sys.path.append(here)
   import convert
 
   return convert.to_train_config(c)

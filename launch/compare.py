@@ -118,7 +118,7 @@ def with_mixed_groups(table_row: dict, prompts: int) -> dict:
 
 
 def _load_config(config: str):
-  sys.path.insert(0, os.path.join(_ROOT, "configs"))
+  sys.path.append(os.path.join(_ROOT, "configs"))
   import importlib.util
   path, _, arg = config.partition(":")
   spec = importlib.util.spec_from_file_location("_cfg", os.path.join(_ROOT, path)

@@ -4,7 +4,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.append(os.path.join(ROOT, "configs"))
 
 import mhqa  # noqa: E402
 

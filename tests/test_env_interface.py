@@ -108,7 +108,7 @@ def test_a_toy_task_trains_a_trace_tree_step(tmp_path):
   assets = Assets(encode=tok.encode, decode=tok.decode, bos_id=1, eos_id=2,
                   vocab_size=len(tok.vocab), train=[example(i) for i in range(10)],
                   test=[example(i) for i in range(4)], retriever=None, env=env)
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
 
   c = mhqa.get_config("smoke")

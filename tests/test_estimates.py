@@ -14,7 +14,7 @@ from trace_jax.allocation import strategies
 from trace_jax.config import driver_config
 from trace_jax.sampling.tree import Tree
 
-sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.append(os.path.join(ROOT, "configs"))
 
 import mhqa  # noqa: E402
 

@@ -128,7 +128,7 @@ def test_a_run_checkpoint_restores_with_the_head_width_it_was_trained_with():
   from trace_jax.checkpoint import restore_target
   from trace_jax.models.predictor import feature_width
 
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+  sys.path.append(os.path.join(os.path.dirname(__file__), "..", "configs"))
   import mhqa
   gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
   d = nnx.merge(gd, st).cfg.hidden_size

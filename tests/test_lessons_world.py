@@ -114,7 +114,7 @@ def test_bad_world_configs_raise(bad, match):
 
 
 def test_run_config_checks_world_fields():
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
 
   c = mhqa.get_config("lessons")

@@ -211,7 +211,7 @@ def test_real_path_eval_on_one_device(real_run, tmp_path):
 
 # ---- the fixes the real path needed --------------------------------------------------------------
 def _config(variant):
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
   return mhqa.get_config(variant)
 

@@ -56,7 +56,7 @@ def smoke_args(base, steps):
 def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
   """The smoke run's config as a typed `TrainConfig` (its warm start reused from the session's
   smoke cache), one RL step, `method`, and `sections` overrides written section__field=value."""
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
 
   base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])

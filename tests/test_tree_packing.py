@@ -210,7 +210,7 @@ def test_packing_options_are_checked():
   import sys
 
   from test_train_smoke import ROOT
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
 
   from trace_jax import train

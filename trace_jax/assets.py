@@ -38,13 +38,14 @@ class Assets:
   test: list
   retriever: object
   world: object = None    # the synthetic world, when used
-  env: object = None      # a `ToolEnv` of the caller's own task (default: `build_env`'s)
+  env: object = None      # the task's `ToolEnv` (default: `build_env`'s multi-hop env)
+  score: object = None    # (prediction, answers) -> bool for held-out EM (default: exact match)
 
   def step_diagnostics(self, examples, trees) -> dict:
     """What the data source can say of a step's sampled trees beyond their rewards, logged with
     the step: on the synthetic world, where the rollouts went with trap-hop questions apart
-    (`diagnostics.trap_allocation`); nothing on real data."""
-    if self.world is None:
+    (`diagnostics.trap_allocation`); nothing on real data or other tasks."""
+    if not hasattr(self.world, "traps"):
       return {}
     from trace_jax.diagnostics import trap_allocation
     return trap_allocation(examples, trees, self.world)
@@ -305,6 +306,57 @@ def load_world_assets(c) -> Assets:
                 world=world)
 
 
+def load_assets(c) -> Assets:
+  """The run's data, tokenizer and environment parts: real multi-hop QA, the math task, or a
+  synthetic multi-hop world."""
+  if uses_real_data(c):
+    return load_real_assets(c)
+  if c.task == "math":
+    return load_math_assets(c)
+  return load_world_assets(c)
+
+
+def math_world_config(c):
+  from trace_jax.envs.math_world import MathWorldConfig
+
+  return MathWorldConfig(seed=c.world.seed,
+                         expert_rate_range=(c.world.expert_rate_lo, c.world.expert_rate_hi))
+
+
+def load_math_assets(c) -> Assets:
+  """The embedded tool-use math task (`envs.math_world`): its problems, cached under
+  `world.cache_dir`, its tokenizer, its calculator environment and math-verify scoring. Held-out
+  EM is also reported per template (`groups`)."""
+  from trace_jax.envs.math_world import (MathWorld, answers_match, build_math_tokenizer,
+                                         generate_math_world, make_math_env, math_prompt)
+
+  cfg = math_world_config(c)
+  blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+  wdir = os.path.join(c.world.cache_dir,
+                      f"math-seed{cfg.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}")
+  world = None
+  if not os.path.exists(os.path.join(wdir, "math_world.json")) and jax.process_index() == 0:
+    world = generate_math_world(cfg)
+    world.save(wdir)
+  if jax.process_count() > 1:
+    allgather_object(None)  # a barrier: the cache is complete past it
+  if world is None:
+    world = MathWorld.load(wdir)
+  tok = build_math_tokenizer(world)
+  encode = lambda s: tok.encode(s).ids  # noqa: E731
+  decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+  bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
+
+  def examples(split):
+    return [dict(_example(encode, bos, p.id, p.question, p.answers, math_prompt(p.question),
+                          source="math", meta={"template": p.template}),
+                 groups=[p.template]) for p in getattr(world, split)]
+  return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
+                vocab_size=tok.get_vocab_size(), train=examples("train"), test=examples("test"),
+                retriever=None, world=world, env=make_math_env(c.env.max_turns),
+                score=lambda pred, golds: answers_match(pred, golds))
+
+
 def load_real_assets(c) -> Assets:
   """Real multi-hop QA: local HF tokenizer, local data files, BM25 index or HTTP retriever."""
   # Cheap checks first: files, then the retrieval server's health, then the data files.
@@ -382,10 +434,21 @@ def warm_start_key(c) -> str:
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   if c.world.kind != "lessons":  # the lessons world's fields shape nothing else
     world = {k: v for k, v in world.items() if k in ("seed", "trap_rate", "kind")}
-  blob = json.dumps({"world": world, "model": model, "sft": sft,
+  blob = json.dumps({"world": world, "model": model, "sft": sft, "task": c.task,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
                      "v": 4}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass
+class _Record:
+  """A warm-start trace as [(text, is_generated)] segments and whether it is right (the math
+  task's; the search worlds' records are `SFTRecord`s)."""
+  segs: list
+  correct: bool
+
+  def segments(self) -> list:
+    return self.segs
 
 
 def warm_start_data(c, assets: Assets, num_traces: int | None = None,
@@ -399,8 +462,17 @@ def warm_start_data(c, assets: Assets, num_traces: int | None = None,
 
   seed = sft_seed(c)
   n = c.sft.num_traces if num_traces is None else num_traces
-  world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
-  recs = make_sft_dataset(world, n, np.random.default_rng(seed), examples=examples)
+  if c.task == "math":
+    from trace_jax.envs.math_world import expert_segments
+
+    rng = np.random.default_rng(seed)
+    pool = assets.world.train if examples is None else examples
+    recs = [_Record(*expert_segments(assets.world, pool[int(i)], rng,
+                                     oracle=c.sft.traces == "oracle"))
+            for i in rng.integers(len(pool), size=n)]
+  else:
+    world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
+    recs = make_sft_dataset(world, n, np.random.default_rng(seed), examples=examples)
   seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
   row_len = c.sft.row_len
   packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),
@@ -414,7 +486,10 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
   mask), with the row count. None of it may depend on the machine; `tests/test_provenance.py`
   holds committed values."""
   recs, packed = warm_start_data(c, assets, num_traces)
-  return dict(world=world_fingerprint(assets.world),
+  world = (world_fingerprint(assets.world) if hasattr(assets.world, "corpus") else
+           text_fingerprint(x for p in assets.world.train + assets.world.test
+                            for x in (p.id, p.question, *p.answers, p.template)))
+  return dict(world=world,
               traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
                                       (seg[0], str(int(seg[1])))),
               sft_rows=int(packed["tokens"].shape[0]),
@@ -453,7 +528,8 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
                   warmup=c.sft.warmup, min_lr_ratio=c.sft.min_lr_ratio)
   params, hist = sft_train(graphdef, params, packed, cfg, seed=seed, log=log_fn)
   info = dict(steps=c.sft.steps, traces=len(recs),
-              expert_success=float(np.mean([r.trace.correct for r in recs])),
+              expert_success=float(np.mean([r.correct if isinstance(r, _Record)
+                                            else r.trace.correct for r in recs])),
               rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
               seconds=time.time() - t0, final=hist[-1] if hist else {},
               data_sha1=fingerprint(packed["tokens"]))

@@ -30,6 +30,7 @@ class ModelSection:
 
 SFT_TRACES = ("expert", "oracle")  # the warm start imitates the imperfect expert, or the oracle
 WORLD_KINDS = ("traps", "lessons")  # envs.synthetic_world (two trap relations), envs.lessons_world
+TASKS = ("mhqa", "math")  # multi-hop QA with search (synthetic world or real data); tool-use math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +188,7 @@ class CkptSection:
 class TrainConfig:
   """Everything a run reads. `method` is a name in `trace_jax.allocation.strategies`' registry."""
   variant: str
+  task: str  # TASKS
   method: str
   seed: int
   workdir: str

@@ -33,8 +33,9 @@ def final_answer(tree) -> str | None:
 
 
 def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
-             keep_trees: bool = False) -> dict:
-  """examples: dicts with prompt_ids, answers, and optional hops / source / entity_seen (the
+             keep_trees: bool = False, score=None) -> dict:
+  """examples: dicts with prompt_ids, answers (scored by `score(prediction, answers)` when given,
+  else exact match), and optional hops / source / entity_seen (the
   synthetic world's: the question's entity appears in a train question) / groups (labels an
   example counts under, e.g. the lessons world's relations). Greedy, one rollout each.
 
@@ -52,7 +53,9 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
       trees = engine.run([PromptRequest(e["prompt_ids"], 1, meta=e) for e in chunk])
       for e, t in zip(chunk, trees):
         pred = final_answer(t)
-        em, f = exact_match(pred, e["answers"]), f1(pred, e["answers"])
+        em = float(score(pred, e["answers"])) if score is not None else exact_match(
+            pred, e["answers"])
+        f = f1(pred, e["answers"])
         ems.append(em)
         f1s.append(f)
         turns.append(max(n.depth for n in t.nodes))

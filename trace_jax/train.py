@@ -230,9 +230,9 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> Run:
   writer = MetricWriter(workdir) if _primary() else NullWriter()
 
   # ---- data and model
-  synthetic = assets is None and not assets_lib.uses_real_data(c)
+  synthetic = assets is None and not assets_lib.uses_real_data(c)  # embedded data: warm start
   if assets is None:
-    assets = assets_lib.load_world_assets(c) if synthetic else assets_lib.load_real_assets(c)
+    assets = assets_lib.load_assets(c)
   model = assets_lib.build_model(c, assets.vocab_size, mesh if c.model.path else None)
   graphdef, params = nnx.split(model)
   head = PredictorHead(feature_width(model.cfg.hidden_size, c.model.predictor_features),
@@ -397,7 +397,7 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   c, step = run.c, state.step
   run.engine.update_params(_policy(run, state))
   res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))],
-                 keep_trees=run.assets.wants_eval_trees)
+                 keep_trees=run.assets.wants_eval_trees, score=run.assets.score)
   rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
          "generated_tokens_total": state.totals["generated_tokens"]}
   rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})
@@ -438,7 +438,7 @@ def probe_warm_start(run: Run, state: LoopState) -> LoopState:
   probe = [run.assets.train[i] for i in idx]
   engine.update_params(_policy(run, state))
   trees = engine.run([PromptRequest(e["prompt_ids"], 8, meta=e) for e in probe])
-  sig = prefix_signal(trees, run.assets.world)
+  sig = prefix_signal(trees, run.assets.world) if hasattr(run.assets.world, "traps") else {}
   tm0 = tree_metrics(trees)
   sig["mixed_share_8"], sig["sampled_success"] = tm0["effective_ratio"], tm0["reward_mean"]
   train_state, fit_info = _fit_predictor(run, state.train, trees, steps=c.rl.predictor_warm_steps)

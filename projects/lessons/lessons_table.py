@@ -290,7 +290,7 @@ def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = N
 
 def world_lessons(world_seed: int, overrides: list[str]) -> dict:
   """The lessons (weight, expert rate) of the world a run trained on (regenerated: seconds)."""
-  sys.path.insert(0, os.path.join(_ROOT, "configs"))
+  sys.path.append(os.path.join(_ROOT, "configs"))
   import mhqa
 
   from trace_jax.assets import lessons_world_config

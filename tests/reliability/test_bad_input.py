@@ -15,7 +15,7 @@ from trace_jax.data.formats import QAFormatError
 from trace_jax.data.formats import load_qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.append(os.path.join(ROOT, "configs"))
 
 import convert  # noqa: E402
 import mhqa  # noqa: E402

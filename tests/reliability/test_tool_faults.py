@@ -22,7 +22,7 @@ from trace_jax.envs.http_retriever import serve
 from trace_jax.envs.types import Doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.append(os.path.join(ROOT, "configs"))
 
 import mhqa  # noqa: E402
 
