@@ -43,7 +43,7 @@ def test_tree_fingerprint():
   assert tree_fingerprint(moved) != tree_fingerprint(tree)
 
 
-# The data of both worlds (the default variant's and `lessons`) and of the math task at 2,000
+# The data of both worlds (the default variant's and `lessons`) and of the tool tasks at 2,000
 # traces, as committed:
 # any change to the world generators, the expert, the prompts, the tokenizer or the packing moves
 # them (then regenerate with tests/scripts/data_fingerprints.py and say why in the commit); a
@@ -53,16 +53,19 @@ WORLD_DATA = {
            "sft_data": "63063f8e85f1"},
     "lessons": {"world": "67c0cce5ae4a", "traces": "61cb58983187", "sft_rows": 880,
                 "sft_data": "900b53af5b7c"},
-    "math": {"world": "8b4c540692ad", "traces": "e9b787b640dd", "sft_rows": 666,
+    "math": {"world": "d7ac2c314db7", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
+    "fc": {"world": "001b3224676e", "traces": "2880a007304c", "sft_rows": 1629,
+           "sft_data": "a0aac416ecd6"},
 }
 
 
 def _data_fingerprints(tmp_path, extra_env=None, variant=None) -> dict:
-  """`variant`: None (the default world), "lessons", or "math" (the math task's problems)."""
+  """`variant`: None (the default world), "lessons", or a tool task ("math", "fc")."""
   cmd = [sys.executable, os.path.join(ROOT, "tests", "scripts", "data_fingerprints.py"),
          "--cache", str(tmp_path), "--traces", "2000"]
-  cmd += ["--task", "math"] if variant == "math" else (["--variant", variant] if variant else [])
+  cmd += (["--task", variant] if variant in ("math", "fc") else
+          ["--variant", variant] if variant else [])
   env = dict(os.environ, **(extra_env or {}))
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -80,7 +83,7 @@ def _vector_paths_off() -> dict:
   return {"NPY_DISABLE_CPU_FEATURES": " ".join(found)}
 
 
-@pytest.mark.parametrize("variant", [None, "lessons", "math"])
+@pytest.mark.parametrize("variant", [None, "lessons", "math", "fc"])
 def test_world_data_is_the_same_on_every_machine(tmp_path, variant):
   """The world, its expert traces and the packed warm-start rows equal the committed
   fingerprints, with and without numpy's vector code (a world whose retrieval broke score ties

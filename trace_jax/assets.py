@@ -39,7 +39,7 @@ class Assets:
   retriever: object
   world: object = None    # the synthetic world, when used
   env: object = None      # the task's `ToolEnv` (default: `build_env`'s multi-hop env)
-  score: object = None    # (prediction, answers) -> bool for held-out EM (default: exact match)
+  reward_is_em: bool = False  # held-out EM is the environment's reward (else exact match)
 
   def step_diagnostics(self, examples, trees) -> dict:
     """What the data source can say of a step's sampled trees beyond their rewards, logged with
@@ -307,54 +307,49 @@ def load_world_assets(c) -> Assets:
 
 
 def load_assets(c) -> Assets:
-  """The run's data, tokenizer and environment parts: real multi-hop QA, the math task, or a
-  synthetic multi-hop world."""
+  """The run's data, tokenizer and environment parts: real multi-hop QA, an embedded tool task
+  (math, function calling), or a synthetic multi-hop world."""
   if uses_real_data(c):
     return load_real_assets(c)
-  if c.task == "math":
-    return load_math_assets(c)
+  if c.task != "mhqa":
+    return tool_task_assets(c)
   return load_world_assets(c)
 
 
-def math_world_config(c):
-  from trace_jax.envs.math_world import MathWorldConfig
+def tool_task_assets(c) -> Assets:
+  """An embedded tool task (`envs.tool_tasks`: `task=math` or `fc`): its problems, generated from
+  the world section's seed and expert rates and cached under `world.cache_dir`, its tokenizer,
+  its environment; held-out EM is the environment's reward (math-verify's check, or the final
+  state and the answer), also per template (`groups`)."""
+  from trace_jax.envs.tool_tasks import EMBEDDED_TASKS
 
-  return MathWorldConfig(seed=c.world.seed,
-                         expert_rate_range=(c.world.expert_rate_lo, c.world.expert_rate_hi))
-
-
-def load_math_assets(c) -> Assets:
-  """The embedded tool-use math task (`envs.math_world`): its problems, cached under
-  `world.cache_dir`, its tokenizer, its calculator environment and math-verify scoring. Held-out
-  EM is also reported per template (`groups`)."""
-  from trace_jax.envs.math_world import (MathWorld, answers_match, build_math_tokenizer,
-                                         generate_math_world, make_math_env, math_prompt)
-
-  cfg = math_world_config(c)
+  spec = EMBEDDED_TASKS[c.task]
+  cfg = spec.world_config(seed=c.world.seed,
+                          expert_rate_range=(c.world.expert_rate_lo, c.world.expert_rate_hi))
   blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-  wdir = os.path.join(c.world.cache_dir,
-                      f"math-seed{cfg.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}")
+  wdir = os.path.join(c.world.cache_dir, f"{spec.name}-seed{cfg.seed}-"
+                      f"{hashlib.sha1(blob.encode()).hexdigest()[:8]}")
   world = None
-  if not os.path.exists(os.path.join(wdir, "math_world.json")) and jax.process_index() == 0:
-    world = generate_math_world(cfg)
+  if not os.path.exists(os.path.join(wdir, spec.file)) and jax.process_index() == 0:
+    world = spec.generate(cfg)
     world.save(wdir)
   if jax.process_count() > 1:
     allgather_object(None)  # a barrier: the cache is complete past it
   if world is None:
-    world = MathWorld.load(wdir)
-  tok = build_math_tokenizer(world)
+    world = spec.world_cls.load(wdir)
+  tok = spec.tokenizer(world)
   encode = lambda s: tok.encode(s).ids  # noqa: E731
   decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
   bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
 
   def examples(split):
-    return [dict(_example(encode, bos, p.id, p.question, p.answers, math_prompt(p.question),
-                          source="math", meta={"template": p.template}),
-                 groups=[p.template]) for p in getattr(world, split)]
+    return [dict(_example(encode, bos, p.id, spec.question(p), p.answers, spec.prompt(p),
+                          source=spec.name, meta={"template": p.template}),
+                 groups=[p.template], **spec.fields(p)) for p in getattr(world, split)]
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
                 vocab_size=tok.get_vocab_size(), train=examples("train"), test=examples("test"),
-                retriever=None, world=world, env=make_math_env(c.env.max_turns),
-                score=lambda pred, golds: answers_match(pred, golds))
+                retriever=None, world=world, env=spec.make_env(c.env.max_turns),
+                reward_is_em=True)
 
 
 def load_real_assets(c) -> Assets:
@@ -442,8 +437,8 @@ def warm_start_key(c) -> str:
 
 @dataclasses.dataclass
 class _Record:
-  """A warm-start trace as [(text, is_generated)] segments and whether it is right (the math
-  task's; the search worlds' records are `SFTRecord`s)."""
+  """A warm-start trace as [(text, is_generated)] segments and whether it is right (the tool
+  tasks'; the search worlds' records are `SFTRecord`s)."""
   segs: list
   correct: bool
 
@@ -462,13 +457,13 @@ def warm_start_data(c, assets: Assets, num_traces: int | None = None,
 
   seed = sft_seed(c)
   n = c.sft.num_traces if num_traces is None else num_traces
-  if c.task == "math":
-    from trace_jax.envs.math_world import expert_segments
+  if c.task != "mhqa":
+    from trace_jax.envs.tool_tasks import EMBEDDED_TASKS
 
+    expert = EMBEDDED_TASKS[c.task].expert
     rng = np.random.default_rng(seed)
     pool = assets.world.train if examples is None else examples
-    recs = [_Record(*expert_segments(assets.world, pool[int(i)], rng,
-                                     oracle=c.sft.traces == "oracle"))
+    recs = [_Record(*expert(assets.world, pool[int(i)], rng, oracle=c.sft.traces == "oracle"))
             for i in rng.integers(len(pool), size=n)]
   else:
     world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
@@ -487,8 +482,8 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
   holds committed values."""
   recs, packed = warm_start_data(c, assets, num_traces)
   world = (world_fingerprint(assets.world) if hasattr(assets.world, "corpus") else
-           text_fingerprint(x for p in assets.world.train + assets.world.test
-                            for x in (p.id, p.question, *p.answers, p.template)))
+           text_fingerprint(x for e in assets.train + assets.test
+                            for x in (e["id"], e["question"], *map(str, e["answers"]))))
   return dict(world=world,
               traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
                                       (seg[0], str(int(seg[1])))),

@@ -30,7 +30,9 @@ class ModelSection:
 
 SFT_TRACES = ("expert", "oracle")  # the warm start imitates the imperfect expert, or the oracle
 WORLD_KINDS = ("traps", "lessons")  # envs.synthetic_world (two trap relations), envs.lessons_world
-TASKS = ("mhqa", "math")  # multi-hop QA with search (synthetic world or real data); tool-use math
+# Multi-hop QA with search (synthetic world or real data); the embedded tool tasks
+# (envs.tool_tasks): tool-use math, function calling.
+TASKS = ("mhqa", "math", "fc")
 
 
 @dataclasses.dataclass(frozen=True)

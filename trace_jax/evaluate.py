@@ -33,9 +33,10 @@ def final_answer(tree) -> str | None:
 
 
 def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
-             keep_trees: bool = False, score=None) -> dict:
-  """examples: dicts with prompt_ids, answers (scored by `score(prediction, answers)` when given,
-  else exact match), and optional hops / source / entity_seen (the
+             keep_trees: bool = False, reward_is_em: bool = False) -> dict:
+  """examples: dicts with prompt_ids, answers (EM: exact match of the final answer, or with
+  `reward_is_em` the rollout's reward above one half: tasks whose environment checks more than
+  an answer string), and optional hops / source / entity_seen (the
   synthetic world's: the question's entity appears in a train question) / groups (labels an
   example counts under, e.g. the lessons world's relations). Greedy, one rollout each.
 
@@ -53,8 +54,8 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
       trees = engine.run([PromptRequest(e["prompt_ids"], 1, meta=e) for e in chunk])
       for e, t in zip(chunk, trees):
         pred = final_answer(t)
-        em = float(score(pred, e["answers"])) if score is not None else exact_match(
-            pred, e["answers"])
+        em = (float((t.leaves()[0].reward or 0.0) > 0.5) if reward_is_em and t.leaves()
+              else exact_match(pred, e["answers"]))
         f = f1(pred, e["answers"])
         ems.append(em)
         f1s.append(f)

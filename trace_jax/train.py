@@ -397,7 +397,7 @@ def evaluate_step(run: Run, state: LoopState) -> LoopState:
   c, step = run.c, state.step
   run.engine.update_params(_policy(run, state))
   res = evaluate(run.engine, run.assets.test[:min(c.eval.size, len(run.assets.test))],
-                 keep_trees=run.assets.wants_eval_trees, score=run.assets.score)
+                 keep_trees=run.assets.wants_eval_trees, reward_is_em=run.assets.reward_is_em)
   rec = {"eval_em": res["em"], "eval_f1": res["f1"], "eval_turns": res["mean_turns"],
          "generated_tokens_total": state.totals["generated_tokens"]}
   rec.update({f"eval_{k}": v for k, v in _retriever_stats(run.env).items()})

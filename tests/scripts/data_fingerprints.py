@@ -19,11 +19,19 @@ import importlib.util  # noqa: E402
 
 import mhqa  # noqa: E402
 
-# configs/math.py by path: a module named `math` must not shadow the standard library's.
-_spec = importlib.util.spec_from_file_location("math_config", os.path.join(ROOT, "configs",
-                                                                           "math.py"))
-math_config = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(math_config)
+
+
+def _config_module(name):
+  """configs/<name>.py, loaded by path (a module named `math` must not shadow the standard
+  library's)."""
+  spec = importlib.util.spec_from_file_location(f"{name}_config",
+                                                os.path.join(ROOT, "configs", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+math_config, fc_config = _config_module("math"), _config_module("fc")
 
 from trace_jax.assets import data_fingerprints, load_assets  # noqa: E402
 
@@ -33,9 +41,9 @@ def main() -> None:
   p.add_argument("--cache", required=True)
   p.add_argument("--traces", type=int, default=2000)
   p.add_argument("--variant", default=None)
-  p.add_argument("--task", default="mhqa", choices=("mhqa", "math"))
+  p.add_argument("--task", default="mhqa", choices=("mhqa", "math", "fc"))
   a = p.parse_args()
-  c = (math_config if a.task == "math" else mhqa).get_config(a.variant)
+  c = {"math": math_config, "fc": fc_config}.get(a.task, mhqa).get_config(a.variant)
   c.world.cache_dir = a.cache
   c = mhqa.validate(c)
   print(json.dumps(data_fingerprints(c, load_assets(c), a.traces), sort_keys=True))
