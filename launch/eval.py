@@ -212,6 +212,9 @@ def main(argv):
     c = TrainConfig.from_dict(c.to_dict())
   except ValueError as e:
     _fail(str(e))
+  if c.task != "mhqa":
+    _fail(f"this evaluates multi-hop QA checkpoints; a {c.task} run reports its held-out EM "
+          f"in its metrics.jsonl every eval.every steps")
   step = _checkpoint_step(_WORKDIR.value, _STEP.value) if _WORKDIR.value else None
 
   import logging
