@@ -20,23 +20,8 @@ import mhqa  # noqa: E402
 
 
 def get_config(arg: str | None = None):
-  variant = arg or "tiny"
-  if variant not in ("tiny", "smoke"):
-    raise ValueError(f"unknown variant {variant!r}; choose tiny or smoke")
-  c = mhqa.get_config(variant)
-  c.task = "fc"
-  c.world.expert_rate_lo = 0.2
-  c.world.expert_rate_hi = 0.7
-  c.env.max_turns = 5          # up to three calls and the answer, one to spare
-  c.env.max_turn_tokens = 56   # a JSON call, its digits one token each
-  c.env.max_obs_tokens = 32
-  c.env.max_seq_len = 384
-  c.sft.row_len = 384
-  if variant == "tiny":
-    c.eval.size = 400
-    c.sft.num_traces = 12000
-    c.sft.steps = 300
-  return c
+  return mhqa.tool_task_config("fc", arg, max_turn_tokens=56, max_obs_tokens=32, max_seq_len=384,
+                               eval_size=400, num_traces=12000)
 
 
 def validate(c):

@@ -19,23 +19,8 @@ import mhqa  # noqa: E402
 
 
 def get_config(arg: str | None = None):
-  variant = arg or "tiny"
-  if variant not in ("tiny", "smoke"):
-    raise ValueError(f"unknown variant {variant!r}; choose tiny or smoke")
-  c = mhqa.get_config(variant)
-  c.task = "math"
-  c.world.expert_rate_lo = 0.2
-  c.world.expert_rate_hi = 0.7
-  c.env.max_turns = 5          # up to three calculations and the answer, one to spare
-  c.env.max_turn_tokens = 40   # a calculation's digits are one token each
-  c.env.max_obs_tokens = 24
-  c.env.max_seq_len = 320
-  c.sft.row_len = 320
-  if variant == "tiny":
-    c.eval.size = 500
-    c.sft.num_traces = 16000
-    c.sft.steps = 300
-  return c
+  return mhqa.tool_task_config("math", arg, max_turn_tokens=40, max_obs_tokens=24, max_seq_len=320,
+                               eval_size=500, num_traces=16000)
 
 
 def validate(c):

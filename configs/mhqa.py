@@ -299,6 +299,30 @@ def get_config(arg: str | None = None):
   return c
 
 
+def tool_task_config(task: str, variant: str | None, *, max_turn_tokens: int, max_obs_tokens: int,
+                     max_seq_len: int, eval_size: int, num_traces: int):
+  """The base config of an embedded tool task (`configs/math.py`, `configs/fc.py`): `task`, its
+  turn and sequence sizes, the expert's correct-method rates over [0.2, 0.7], and, in the tiny
+  variant, its evaluation size and warm-start traces (300 SFT steps)."""
+  variant = variant or "tiny"
+  if variant not in ("tiny", "smoke"):
+    raise ValueError(f"unknown variant {variant!r}; choose tiny or smoke")
+  c = get_config(variant)
+  c.task = task
+  c.world.expert_rate_lo = 0.2
+  c.world.expert_rate_hi = 0.7
+  c.env.max_turns = 5          # up to three tool calls and the answer, one to spare
+  c.env.max_turn_tokens = max_turn_tokens  # digits are one token each
+  c.env.max_obs_tokens = max_obs_tokens
+  c.env.max_seq_len = max_seq_len
+  c.sft.row_len = max_seq_len
+  if variant == "tiny":
+    c.eval.size = eval_size
+    c.sft.num_traces = num_traces
+    c.sft.steps = 300
+  return c
+
+
 def validate(c):
   """Checks every value of `c` (a ConfigDict of this file) and returns the run's typed
   `trace_jax.config.TrainConfig`; raises ValueError naming the first bad field. See

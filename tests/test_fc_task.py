@@ -133,18 +133,8 @@ def test_bfcl_reader_and_checker(tmp_path):
 def test_fc_main_job_smoke(tmp_path):
   """`launch/train.py --config=configs/fc.py:smoke`, one step: warm start on the expert's traces,
   a trace_tree step through the API, held-out EM (the environment's reward) per template."""
-  from test_train_smoke import launch
+  from test_train_smoke import tool_task_smoke
 
-  res = launch("train.py", "--config=configs/fc.py:smoke", f"--workdir={tmp_path}/run",
-               f"--config.world.cache_dir={tmp_path}/cache", "--config.rl.steps=1",
-               "--config.sft.steps=3", "--config.sft.num_traces=64",
-               "--config.rollout.prompts_per_step=2", "--config.rollout.root_budget=4",
-               "--config.rollout.prefix_budget=2", "--config.rollout.num_slots=4",
-               "--config.rollout.num_pages=256", "--config.eval.size=4",
-               "--config.eval.probe_prompts=2")
-  assert res.returncode == 0, res.stdout[-3000:]
-  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  summary, evals = tool_task_smoke(tmp_path, "configs/fc.py:smoke")
   assert summary["rollouts"] > 0 and summary["warm_start"]["rows"] > 0
-  evals = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
-           if '"eval_em"' in line]
   assert evals and any(k.startswith("eval_em_group/") for k in evals[0])

@@ -77,6 +77,23 @@ def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
   return mhqa.validate(c)
 
 
+def tool_task_smoke(tmp_path, config: str):
+  """One trace_tree step of a tool task's main job at the smallest size (`config`, e.g.
+  configs/math.py:smoke); returns (summary, evaluation records)."""
+  res = launch("train.py", f"--config={config}", f"--workdir={tmp_path}/run",
+               f"--config.world.cache_dir={tmp_path}/cache", "--config.rl.steps=1",
+               "--config.sft.steps=3", "--config.sft.num_traces=64",
+               "--config.rollout.prompts_per_step=2", "--config.rollout.root_budget=4",
+               "--config.rollout.prefix_budget=2", "--config.rollout.num_slots=4",
+               "--config.rollout.num_pages=256", "--config.eval.size=4",
+               "--config.eval.probe_prompts=2")
+  assert res.returncode == 0, res.stdout[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  evals = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+           if '"eval_em"' in line]
+  return summary, evals
+
+
 def draw_outcomes(trees, seed: int = 0) -> None:
   """Leaf rewards drawn at random (the smoke policy rarely succeeds, which makes every advantage,
   and the policy gradient, zero)."""

@@ -30,13 +30,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import re
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
 from trace_jax.envs.interface import FunctionEnv, StepResult
+from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
@@ -336,40 +336,21 @@ class FCWorldConfig:
 
 
 @dataclasses.dataclass
-class FCWorld:
-  config: FCWorldConfig
-  train: list
-  test: list
-  expert_rates: dict
+class FCWorld(ProblemWorld):
+  """The generated tasks (`ProblemWorld`); expert_rates: template -> rate of its correct
+  procedure."""
 
-  def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "fc_world.json"), "w") as f:
-      json.dump(dict(config=dataclasses.asdict(self.config), expert_rates=self.expert_rates,
-                     train=[dataclasses.asdict(p) for p in self.train],
-                     test=[dataclasses.asdict(p) for p in self.test]), f)
-
-  @classmethod
-  def load(cls, directory: str) -> "FCWorld":
-    path = os.path.join(directory, "fc_world.json")
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path} not found: not a directory written by FCWorld.save")
-    with open(path) as f:
-      p = json.load(f)
-    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
-    return cls(FCWorldConfig(**cfg), [FCProblem(**x) for x in p["train"]],
-               [FCProblem(**x) for x in p["test"]], p["expert_rates"])
+  FILE: ClassVar[str] = "fc_world.json"
+  PROBLEM: ClassVar[type] = FCProblem
+  CONFIG: ClassVar[type] = FCWorldConfig
 
 
 def generate_fc_world(cfg: Optional[FCWorldConfig] = None) -> FCWorld:
   """Tasks of every template on random API states; deterministic in the seed."""
   cfg = cfg or FCWorldConfig()
-  lo, hi = cfg.expert_rate_range
-  if not 0.0 <= lo <= hi <= 1.0:
-    raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
   rng = np.random.default_rng(cfg.seed)
   k = len(TEMPLATES)
-  rates = lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
+  rates = stratified_rates(rng, k, *cfg.expert_rate_range)
   problems = []
   for i in range(cfg.n_train + cfg.n_test):
     template = TEMPLATES[int(rng.integers(k))]

@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from trace_jax.envs.problem_world import stratified_rates
 from trace_jax.envs.synthetic_schema import NAME_CODAS, NAME_ONSETS, NAME_VOWELS, Relation
 from trace_jax.envs.synthetic_world import (  # noqa: F401  (LessonsWorldConfig re-exported)
     LessonsWorldConfig, SyntheticQuestion, World, _make_names, _twin_of, question_text,
@@ -73,10 +74,9 @@ def lesson_relations(cfg: LessonsWorldConfig, names: set, rng) -> tuple[dict, di
     raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
   verbs = _make_verbs(k * w, names, rng)
   ranks = rng.permutation(k)
-  # Stratified: the K rates are evenly spaced over [lo, hi] (cell midpoints), in a random order,
-  # so every world has the same spread of difficulty and only its pairing with frequency (drawn
-  # independently) differs between seeds.
-  rates = lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
+  # Stratified: every world has the same spread of difficulty, and only its pairing with
+  # frequency (drawn independently) differs between seeds.
+  rates = stratified_rates(rng, k, lo, hi)
   relations, lessons = {}, {}
   for i in range(k):
     own = verbs[i * w:(i + 1) * w]

@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
-from typing import Callable, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 
 from trace_jax.envs.calculator import CalculatorError, calculate, format_value
 from trace_jax.envs.interface import FunctionEnv, StepResult
+from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALC_OPEN, CALC_CLOSE = "<calculate>", "</calculate>"
@@ -248,29 +248,13 @@ class MathProblem:
 
 
 @dataclasses.dataclass
-class MathWorld:
-  config: MathWorldConfig
-  train: list
-  test: list
-  expert_rates: dict  # template -> rate of the correct method
+class MathWorld(ProblemWorld):
+  """The generated problems (`ProblemWorld`); expert_rates: template -> rate of its correct
+  method."""
 
-  def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "math_world.json"), "w") as f:
-      json.dump(dict(config=dataclasses.asdict(self.config), expert_rates=self.expert_rates,
-                     train=[dataclasses.asdict(p) for p in self.train],
-                     test=[dataclasses.asdict(p) for p in self.test]), f)
-
-  @classmethod
-  def load(cls, directory: str) -> "MathWorld":
-    path = os.path.join(directory, "math_world.json")
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path} not found: not a directory written by MathWorld.save")
-    with open(path) as f:
-      p = json.load(f)
-    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
-    return cls(MathWorldConfig(**cfg), [MathProblem(**x) for x in p["train"]],
-               [MathProblem(**x) for x in p["test"]], p["expert_rates"])
+  FILE: ClassVar[str] = "math_world.json"
+  PROBLEM: ClassVar[type] = MathProblem
+  CONFIG: ClassVar[type] = MathWorldConfig
 
 
 def solution(template: Template, numbers: dict, mistake: bool) -> list[tuple[str, str, str]]:
@@ -288,12 +272,9 @@ def generate_math_world(cfg: Optional[MathWorldConfig] = None) -> MathWorld:
   """Problems of every template (drawn evenly), deduplicated, split into train and held-out;
   deterministic in the seed."""
   cfg = cfg or MathWorldConfig()
-  lo, hi = cfg.expert_rate_range
-  if not 0.0 <= lo <= hi <= 1.0:
-    raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
   rng = np.random.default_rng(cfg.seed)
   k = len(TEMPLATES)
-  rates = lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
+  rates = stratified_rates(rng, k, *cfg.expert_rate_range)
   problems, seen = [], set()
   want = cfg.n_train + cfg.n_test
   attempts = 0
