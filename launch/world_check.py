@@ -159,6 +159,9 @@ def independence_part(c) -> dict:
   before and after (`wording_rates` of greedy held-out rollouts)."""
   import dataclasses
 
+  import jax
+  import jax.numpy as jnp
+
   from trace_jax import train as T
   from trace_jax.assets import warm_start_data
   from trace_jax.evaluate import evaluate
@@ -190,7 +193,8 @@ def independence_part(c) -> dict:
                                 examples=examples)
     cfg = SFTConfig(steps=_IND_STEPS.value, batch_rows=c.sft.batch_rows, lr=c.sft.lr / 3,
                     warmup=10, min_lr_ratio=c.sft.min_lr_ratio)
-    params, _ = sft_train(run.graphdef, run.init_params, packed, cfg, seed=1, desc=f"teach {k}")
+    start = jax.tree.map(jnp.copy, run.init_params)  # sft_train donates what it is given
+    params, _ = sft_train(run.graphdef, start, packed, cfg, seed=1, desc=f"teach {k}")
     after, em = rates(params)
     other = {r: after[r][0] - base[r][0] for r in world.lessons
              if r != k and base[r][1] >= 30 and after[r][1] >= 30}
@@ -352,9 +356,15 @@ def main(argv):
       out = json.load(f)
   out["config"] = _config_arg()
   out["world"] = dict(kind=c.world.kind, seed=c.world.seed)
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+
+  def save():  # after every part: a later part's failure loses nothing
+    with open(_OUT.value, "w") as f:
+      json.dump(out, f, indent=1, sort_keys=True)
   wp = [p for p in parts if p in ("oracle", "names", "lessons")]
   if wp:
     out.update(world_parts(c, wp))
+    save()
   if "capacity" in parts:
     import dataclasses
     cap = _evaluate_warm_start(dataclasses.replace(c, sft=dataclasses.replace(c.sft,
@@ -362,20 +372,21 @@ def main(argv):
                                mixed=False)
     out["capacity"] = cap
     out["capacity_em"] = cap["em"]
+    save()
   if "warm_start" in parts:
     ws = _evaluate_warm_start(c, mixed=True)
     out["warm_start"] = ws
     out["warm_start_em"] = ws["em"]
+    save()
   if "independence" in parts:
     ind = independence_part(c)
     out["independence"] = ind
     out["independence_max_other_shift"] = ind["independence_max_other_shift"]
+    save()
   if "grpo" in parts:
     overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
     out.update(grpo_part(cdict, _SEEDS.value, _RUNS.value, overrides))
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(out, f, indent=1, sort_keys=True)
+  save()
   keys = ("oracle_em", "heldout_names_seen", "capacity_em", "warm_start_em",
           "independence_max_other_shift", "grpo_em50_over_final", "discovery_iqr_steps")
   print(json.dumps({k: out.get(k) for k in keys}, indent=1))
