@@ -21,7 +21,7 @@ import mhqa  # noqa: E402
 
 def get_config(arg: str | None = None):
   return mhqa.tool_task_config("fc", arg, max_turn_tokens=56, max_obs_tokens=32, max_seq_len=384,
-                               eval_size=400, num_traces=12000)
+                               eval_size=400, num_traces=12000, sft_steps=500)
 
 
 def validate(c):

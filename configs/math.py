@@ -20,7 +20,7 @@ import mhqa  # noqa: E402
 
 def get_config(arg: str | None = None):
   return mhqa.tool_task_config("math", arg, max_turn_tokens=40, max_obs_tokens=24, max_seq_len=320,
-                               eval_size=500, num_traces=16000)
+                               eval_size=500, num_traces=16000, sft_steps=300)
 
 
 def validate(c):

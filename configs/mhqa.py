@@ -300,10 +300,10 @@ def get_config(arg: str | None = None):
 
 
 def tool_task_config(task: str, variant: str | None, *, max_turn_tokens: int, max_obs_tokens: int,
-                     max_seq_len: int, eval_size: int, num_traces: int):
+                     max_seq_len: int, eval_size: int, num_traces: int, sft_steps: int):
   """The base config of an embedded tool task (`configs/math.py`, `configs/fc.py`): `task`, its
   turn and sequence sizes, the expert's correct-method rates over [0.2, 0.7], and, in the tiny
-  variant, its evaluation size and warm-start traces (300 SFT steps)."""
+  variant, its evaluation size and warm start (traces and SFT steps)."""
   variant = variant or "tiny"
   if variant not in ("tiny", "smoke"):
     raise ValueError(f"unknown variant {variant!r}; choose tiny or smoke")
@@ -319,7 +319,7 @@ def tool_task_config(task: str, variant: str | None, *, max_turn_tokens: int, ma
   if variant == "tiny":
     c.eval.size = eval_size
     c.sft.num_traces = num_traces
-    c.sft.steps = 300
+    c.sft.steps = sft_steps
   return c
 
 

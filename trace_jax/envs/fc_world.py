@@ -57,9 +57,12 @@ FUNCTIONS = {
     "transfer": {"from_id": "int", "to_id": "int", "amount": "int"},
     "refund": {"order_id": "int"},
 }
-PROMPT = ("use the api to do the task . call one function a turn as <call> json </call> , then "
-          "give <answer> result </answer> .\nfunctions : " + " ; ".join(
-              f"{n} ( {' , '.join(a)} )" for n, a in FUNCTIONS.items()) + "\ntask : {task}\n")
+# The task first and no function list: the embedded tiny model learns the API from the traces,
+# and a long preamble puts the names it must copy far from where it writes them (a first
+# version with the signatures listed before the task warm-started at 0.000 held-out EM: the
+# model wrote other users' names).
+PROMPT = ("task : {task}\nuse the api : one call a turn as <call> json </call> , then "
+          "<answer> result </answer> .\n")
 
 
 def fc_prompt(task: str) -> str:
@@ -396,7 +399,8 @@ def fc_texts() -> list[str]:
            "order already refunded amount must be positive and covered by the balance",
            "call longer than characters arguments must be an object done true false",
            '{ } [ ] : , " ok balance user_id order_ids total refunded name arguments error',
-           "from_id to_id amount order_id"] + list(NAMES)
+           "from_id to_id amount order_id", " ".join(FUNCTIONS),
+           " ".join(a for args in FUNCTIONS.values() for a in args)] + list(NAMES)
   for t in TEMPLATES:
     texts.append(_task_text(t, {"who": "x", "from": "x", "to": "x", "amount": 1}))
   texts += ["find orders of balance of send the money refund the last order",
