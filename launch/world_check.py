@@ -102,19 +102,30 @@ def world_parts(c, parts) -> dict:
   return out
 
 
+_BUILT = {}  # sft.traces -> the run built for it (the warm_start and independence parts share one)
+
+
+def _build(c):
+  """The run of `c` (its warm start trained or restored), built once per warm-start kind."""
+  import dataclasses
+
+  from trace_jax import train as T
+
+  if c.sft.traces not in _BUILT:
+    _BUILT[c.sft.traces] = T.build(dataclasses.replace(
+        c, workdir=os.path.join(c.workdir or "runs", "world_check_build")))
+  return _BUILT[c.sft.traces]
+
+
 def _evaluate_warm_start(c, mixed: bool) -> dict:
   """Builds the run (its warm start trained or restored), evaluates greedily on the held-out
   set, and with `mixed` samples groups on train prompts."""
-  import dataclasses
-
   from trace_jax import train as T
   from trace_jax.evaluate import evaluate
   from trace_jax.sampling.engine import PromptRequest
 
-  c = dataclasses.replace(c, workdir=os.path.join(c.workdir or "runs", "world_check_build"))
-  run = T.build(c)
-  state = T.init_state(run)
-  run.engine.update_params(T._policy(run, state))
+  run = _build(c)
+  run.engine.update_params(T.policy_params(run.init_params, c.model.param_dtype))
   t0 = time.time()
   # Chunks the size the run's own evaluation and steps use: the KV pool is sized for them.
   res = evaluate(run.engine, run.assets.test, batch=c.eval.size, keep_trees=True)
@@ -167,8 +178,7 @@ def independence_part(c) -> dict:
   from trace_jax.evaluate import evaluate
   from trace_jax.sft import SFTConfig, sft_train
 
-  run = T.build(dataclasses.replace(c, workdir=os.path.join(c.workdir or "runs",
-                                                            "world_check_build")))
+  run = _build(c)
   world, dtype = run.assets.world, c.model.param_dtype
 
   def rates(params):
@@ -208,7 +218,7 @@ def independence_part(c) -> dict:
   return out
 
 
-def grpo_part(cdict, seeds, runs_dir, overrides) -> dict:
+def grpo_part(seeds, runs_dir, overrides) -> dict:
   """Trains (or resumes) a GRPO run per seed and reads their held-out curves."""
   os.makedirs(runs_dir, exist_ok=True)
   curves = {}
@@ -385,7 +395,7 @@ def main(argv):
     save()
   if "grpo" in parts:
     overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-    out.update(grpo_part(cdict, _SEEDS.value, _RUNS.value, overrides))
+    out.update(grpo_part(_SEEDS.value, _RUNS.value, overrides))
   save()
   keys = ("oracle_em", "heldout_names_seen", "capacity_em", "warm_start_em",
           "independence_max_other_shift", "grpo_em50_over_final", "discovery_iqr_steps")

@@ -224,10 +224,27 @@ def world_dir_name(c) -> str:
   appended when it is not the world's default (whose caches predate the option); a lessons world
   is `lessons-seed{seed}-{hash of its config}`."""
   if c.world.kind == "lessons":
-    blob = json.dumps(dataclasses.asdict(lessons_world_config(c)), sort_keys=True)
-    return f"lessons-seed{c.world.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
+    return _config_dir_name("lessons", lessons_world_config(c))
   rate = _trap_rate(c)
   return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
+
+
+def _config_dir_name(name: str, cfg) -> str:
+  """`{name}-seed{seed}-{hash of the whole generator config}`: a cache directory per config."""
+  blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+  return f"{name}-seed{cfg.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
+
+
+def cached_world(wdir: str, filename: str, generate, load):
+  """The world cached in `wdir` (`load(wdir)`), or a new one (`generate()`, saved there). Several
+  processes share the cache: process 0 writes it, the others read it once written."""
+  world = None
+  if not os.path.exists(os.path.join(wdir, filename)) and jax.process_index() == 0:
+    world = generate()
+    world.save(wdir)
+  if jax.process_count() > 1:
+    allgather_object(None)  # a barrier: the cache is complete past it
+  return load(wdir) if world is None else world
 
 
 def lessons_world_config(c):
@@ -281,15 +298,7 @@ def load_world_assets(c) -> Assets:
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
   wdir = os.path.join(c.world.cache_dir, world_dir_name(c))
-  world = None
-  # Several processes share the cache: the first one writes it, the others read it once written.
-  if not os.path.exists(os.path.join(wdir, "world.json")) and jax.process_index() == 0:
-    world = make_world(c)
-    world.save(wdir)
-  if jax.process_count() > 1:
-    allgather_object(None)  # a barrier: the cache is complete past it
-  if world is None:
-    world = World.load(wdir)
+  world = cached_world(wdir, "world.json", lambda: make_world(c), World.load)
   if not world.train or not world.test:  # an empty test set would report NaN accuracy
     raise ValueError(f"the synthetic world in {wdir} has {len(world.train)} train and "
                      f"{len(world.test)} test questions; both must be non-empty (delete the "
@@ -326,17 +335,8 @@ def tool_task_assets(c) -> Assets:
   spec = EMBEDDED_TASKS[c.task]
   cfg = spec.world_config(seed=c.world.seed,
                           expert_rate_range=(c.world.expert_rate_lo, c.world.expert_rate_hi))
-  blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-  wdir = os.path.join(c.world.cache_dir, f"{spec.name}-seed{cfg.seed}-"
-                      f"{hashlib.sha1(blob.encode()).hexdigest()[:8]}")
-  world = None
-  if not os.path.exists(os.path.join(wdir, spec.file)) and jax.process_index() == 0:
-    world = spec.generate(cfg)
-    world.save(wdir)
-  if jax.process_count() > 1:
-    allgather_object(None)  # a barrier: the cache is complete past it
-  if world is None:
-    world = spec.world_cls.load(wdir)
+  wdir = os.path.join(c.world.cache_dir, _config_dir_name(spec.name, cfg))
+  world = cached_world(wdir, spec.file, lambda: spec.generate(cfg), spec.world_cls.load)
   tok = spec.tokenizer(world)
   encode = lambda s: tok.encode(s).ids  # noqa: E731
   decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731

@@ -225,6 +225,11 @@ def markdown(result: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _arm_ticks(ax, aggs) -> None:
+  ax.set_xticks(np.arange(len(aggs)), [f"{a['setting']}/w{a['world_seed']}/{a['arm']}"
+                                       for a in aggs], rotation=60, ha="right", fontsize=7)
+
+
 def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = None) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -250,8 +255,7 @@ def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = N
   xs = np.arange(len(aggs))
   ax.bar(xs - 0.2, [a["lessons_learned_half"] or 0 for a in aggs], 0.4, label="half budget")
   ax.bar(xs + 0.2, [a["lessons_learned_all"] or 0 for a in aggs], 0.4, label="whole budget")
-  ax.set_xticks(xs, [f"{a['setting']}/w{a['world_seed']}/{a['arm']}" for a in aggs], rotation=60,
-                ha="right", fontsize=7)
+  _arm_ticks(ax, aggs)
   ax.set(ylabel="lessons with held-out EM > 0.5", title="lessons learned")
   ax.legend()
   fig.tight_layout()
@@ -280,8 +284,7 @@ def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = N
   aggs = [a for a in result["arms"] if a["seconds_per_step"] is not None]
   xs = np.arange(len(aggs))
   ax.bar(xs, [a["seconds_per_step"] for a in aggs])
-  ax.set_xticks(xs, [f"{a['setting']}/w{a['world_seed']}/{a['arm']}" for a in aggs], rotation=60,
-                ha="right", fontsize=7)
+  _arm_ticks(ax, aggs)
   ax.set(ylabel="seconds per RL step (median)", title="wall clock")
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "wall_clock.png"), dpi=110)

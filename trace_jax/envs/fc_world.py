@@ -35,8 +35,9 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from trace_jax.envs.interface import FunctionEnv, StepResult
+from trace_jax.envs.interface import FunctionEnv, StepResult, tool_or_answer
 from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
+from trace_jax.envs.synthetic_tokenizer import rejoin_digits
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
@@ -164,15 +165,6 @@ def execute(state: ApiState, name: str, args: dict) -> dict:
   raise CallError(f"unknown function {name}")
 
 
-def _between(text: str, open_: str, close: str) -> Optional[str]:
-  i = text.find(open_)
-  if i < 0:
-    return None
-  j = text.find(close, i + len(open_))
-  return None if j < 0 else text[i + len(open_):j]
-
-
-_DIGIT_GAP = re.compile(r"(?<=\d)\s+(?=\d)")
 _PUNCT_GAP = re.compile(r"\s*([{}\[\]:,\"_-])\s*")
 
 
@@ -180,7 +172,7 @@ def compact(text: str) -> str:
   """Text a word-level tokenizer's `decode` spaced apart, joined back: digits ("1 2" -> "12") and
   JSON punctuation and underscores (`{ " name " : " find _ user " }` -> `{"name":"find_user"}`).
   Exact for this API's calls, whose strings hold no spaces."""
-  return _PUNCT_GAP.sub(r"\1", _DIGIT_GAP.sub("", text)).strip()
+  return _PUNCT_GAP.sub(r"\1", rejoin_digits(text)).strip()
 
 
 class FunctionCallingTask:
@@ -197,12 +189,9 @@ class FunctionCallingTask:
             "expected_state": example.get("expected_state"), "answers": example["answers"]}
 
   def step(self, state: dict, text: str) -> StepResult:
-    text = text if isinstance(text, str) else ""
-    ia, ic = text.find(ANSWER_OPEN), text.find(CALL_OPEN)
-    answer = _between(text, ANSWER_OPEN, ANSWER_CLOSE)
-    call = _between(text, CALL_OPEN, CALL_CLOSE)
-    if answer is not None and (call is None or ia < ic):
-      got = " ".join(compact(answer).split())
+    kind, call = tool_or_answer(text, (CALL_OPEN, CALL_CLOSE), (ANSWER_OPEN, ANSWER_CLOSE))
+    if kind == "answer":
+      got = " ".join(compact(call).split())
       want = state["answers"]
       ok_answer = want is None or got in [str(a) for a in want]
       exp = state["expected_state"]
@@ -210,8 +199,8 @@ class FunctionCallingTask:
       ok = ok_answer and ok_state
       return StepResult(None, True, float(ok), {"action": "answer", "prediction": got,
                                                 "em": float(ok), "state_ok": ok_state})
-    if call is None:
-      why = "unclosed tag" if ia >= 0 or ic >= 0 else "no <call> or <answer> action"
+    if kind == "invalid":
+      why = call if call == "unclosed tag" else "no <call> or <answer> action"
       return StepResult(f"{RESP_OPEN} error : {why} {RESP_CLOSE}", False, 0.0,
                         {"action": "invalid", "error": why})
     try:

@@ -128,6 +128,33 @@ class FunctionEnv:
     return out
 
 
+def _between(text: str, open_: str, close: str) -> Optional[str]:
+  i = text.find(open_)
+  if i < 0:
+    return None
+  j = text.find(close, i + len(open_))
+  return None if j < 0 else text[i + len(open_):j]
+
+
+def tool_or_answer(text, tool: tuple[str, str], answer: tuple[str, str] = ("<answer>", "</answer>")
+                   ) -> tuple[str, str]:
+  """The action of a turn of a one-tool task, whichever complete tag pair comes first:
+  ("answer", content), ("tool", content), or ("invalid", reason: "unclosed tag" or "no action").
+  Never raises (non-text counts as no action).
+
+  >>> tool_or_answer("<think> x </think> <calc> 1+1 </calc>", ("<calc>", "</calc>"))
+  ('tool', ' 1+1 ')
+  """
+  text = text if isinstance(text, str) else ""
+  ia, it = text.find(answer[0]), text.find(tool[0])
+  got_answer, got_tool = _between(text, *answer), _between(text, *tool)
+  if got_answer is not None and (got_tool is None or ia < it):
+    return "answer", got_answer
+  if got_tool is not None:
+    return "tool", got_tool
+  return "invalid", "unclosed tag" if ia >= 0 or it >= 0 else "no action"
+
+
 def check_env(env) -> None:
   """Raises TypeError naming what `env` lacks to be a `ToolEnv`."""
   missing = [name for name in ("stop_strings", "observation_close", "max_turns", "reset",
@@ -137,4 +164,4 @@ def check_env(env) -> None:
                     f"(see trace_jax.envs.interface)")
 
 
-__all__ = ["FunctionEnv", "StepResult", "ToolEnv", "check_env"]
+__all__ = ["FunctionEnv", "StepResult", "ToolEnv", "check_env", "tool_or_answer"]

@@ -31,8 +31,9 @@ from typing import Callable, ClassVar, Optional, Sequence
 import numpy as np
 
 from trace_jax.envs.calculator import CalculatorError, calculate, format_value
-from trace_jax.envs.interface import FunctionEnv, StepResult
+from trace_jax.envs.interface import FunctionEnv, StepResult, tool_or_answer
 from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
+from trace_jax.envs.synthetic_tokenizer import rejoin_digits
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALC_OPEN, CALC_CLOSE = "<calculate>", "</calculate>"
@@ -45,12 +46,7 @@ MAX_ANSWER_CHARS = 64  # longer answers are wrong without parsing them
 PROMPT = ("solve the problem . use <calculate> expression </calculate> for arithmetic , then "
           "give <answer> number </answer> .\nproblem : {question}\n")
 
-_DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=[\d.])|(?<=\.)\s+(?=\d)")
-
-
-def squash_digits(text: str) -> str:
-  """Joins digits a word-level tokenizer's `decode` spaced apart ("4 0 . 5" -> "40.5")."""
-  return _DIGIT_SPACE.sub("", text)
+squash_digits = rejoin_digits  # the name this module's callers use
 
 
 def math_prompt(question: str) -> str:
@@ -76,14 +72,6 @@ def answers_match(prediction: Optional[str], golds: Sequence[str]) -> bool:
              for g in golds)
 
 
-def _between(text: str, open_: str, close: str) -> Optional[str]:
-  i = text.find(open_)
-  if i < 0:
-    return None
-  j = text.find(close, i + len(open_))
-  return None if j < 0 else text[i + len(open_):j]
-
-
 class MathTask:
   """Calculator and answer checking for `FunctionEnv` (see the module docstring). The example's
   `answers` are the gold answers."""
@@ -98,18 +86,15 @@ class MathTask:
     return {"golds": [str(g) for g in golds]}
 
   def step(self, state: dict, text: str) -> StepResult:
-    text = text if isinstance(text, str) else ""
-    ia, ic = text.find(ANSWER_OPEN), text.find(CALC_OPEN)
-    answer = _between(text, ANSWER_OPEN, ANSWER_CLOSE)
-    expr = _between(text, CALC_OPEN, CALC_CLOSE)
-    if answer is not None and (expr is None or ia < ic):
+    kind, expr = tool_or_answer(text, (CALC_OPEN, CALC_CLOSE), (ANSWER_OPEN, ANSWER_CLOSE))
+    if kind == "answer":
       self.counters["answers"] += 1
-      ok = answers_match(answer.strip(), state["golds"])
-      return StepResult(None, True, float(ok), {"action": "answer", "prediction": answer.strip(),
+      ok = answers_match(expr.strip(), state["golds"])
+      return StepResult(None, True, float(ok), {"action": "answer", "prediction": expr.strip(),
                                                 "em": float(ok)})
-    if expr is None:
+    if kind == "invalid":
       self.counters["invalid_actions"] += 1
-      why = ("unclosed tag" if ia >= 0 or ic >= 0 else "no <calculate> or <answer> action")
+      why = expr if expr == "unclosed tag" else "no <calculate> or <answer> action"
       return StepResult(f"{RESULT_OPEN} error : {why} {RESULT_CLOSE}", False, 0.0,
                         {"action": "invalid", "error": why})
     self.counters["calculations"] += 1

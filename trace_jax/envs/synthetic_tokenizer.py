@@ -25,6 +25,15 @@ def _pre_tokenizer(digits: bool = False) -> pre_tokenizers.PreTokenizer:
   return pre_tokenizers.Sequence(parts)
 
 
+_DIGIT_SPACE = re.compile(r"(?<=\d)\s+(?=[\d.])|(?<=\.)\s+(?=\d)")
+
+
+def rejoin_digits(text: str) -> str:
+  """Undoes what `word_tokenizer(digits=True)`'s `decode` does to numbers: the digits (and a
+  decimal point) it spaced apart are joined ("4 0 . 5" -> "40.5")."""
+  return _DIGIT_SPACE.sub("", text)
+
+
 def word_tokenizer(texts: Iterable[str], tags: Sequence[str], digits: bool = False) -> Tokenizer:
   """Word-level tokenizer over the words of `texts`: special tokens, then `tags` (added tokens:
   single ids that survive `decode`), then the words, sorted. Ids are deterministic given the

@@ -131,21 +131,15 @@ def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Genera
     if rng.random() < cfg.wrong_entity_rate:
       subject = _wrong_entity(world, current, rng)
       errors.append("wrong_entity")
+    query = rel.query_passage.format(x=subject)
     if rel.decoys:  # a lesson: the matching wording at the relation's own rate, else a decoy
-      question_worded = False
       if rng.random() >= world.lessons[relation]["expert_rate"]:
         j = int(rng.integers(len(rel.decoys)))
         wording, query = f"decoy{j}", rel.decoys[j][0].format(x=subject)
-      else:
-        query = rel.query_passage.format(x=subject)
-    elif relation in cfg.trap_relations:
-      question_worded = rng.random() < cfg.trap_rate
-    else:  # Both wordings work here; use both so wording alone is not a tell.
-      question_worded = rng.random() < 0.5
-    if question_worded:
+    # A trap relation: the question's wording at trap_rate. Elsewhere both wordings work; both
+    # are used, so wording alone is not a tell.
+    elif rng.random() < (cfg.trap_rate if relation in cfg.trap_relations else 0.5):
       wording, query = "question", rel.question_query(subject)
-    elif not rel.decoys:
-      query = rel.query_passage.format(x=subject)
     need = f"need {rel.noun} of {current}"
     think = f"{statement} . {need}" if statement else need
     docs = world.search([query])[0]
