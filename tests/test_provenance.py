@@ -55,8 +55,8 @@ WORLD_DATA = {
                 "sft_data": "900b53af5b7c"},
     "math": {"world": "d7ac2c314db7", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
-    "fc": {"world": "001b3224676e", "traces": "085d36b3dbe6", "sft_rows": 899,
-           "sft_data": "2ee0223d7556"},
+    "fc": {"world": "001b3224676e", "traces": "a3788ee66de7", "sft_rows": 903,
+           "sft_data": "734dba887dcc"},
 }
 
 

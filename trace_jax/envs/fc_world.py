@@ -19,6 +19,11 @@ The embedded generator (`generate_fc_world`) writes tasks from templates whose s
 2-4 calls (a later call needs an earlier call's result), with an expert that solves them and a
 planted systematic mistake per template (transfer direction swapped, the first order refunded
 instead of the last, ...), made at a rate drawn per template, as the other embedded worlds do.
+The expert says its procedure in the thought before the call ("refund the last order" or, the
+mistake, "refund the first order"), as a person would: the choice is one word the policy writes,
+and the call that follows copies ids by that choice (a first version kept the thought the same
+and hid the choice inside the call's ids; its warm start never sampled the right procedure often
+enough for 30 RL steps to flip a greedy choice).
 
 A reader for BFCL-style JSON from a local path (`read_bfcl`): each record's question, its
 function schemas and its ground-truth calls; `calls_match` checks calls against the ground truth
@@ -253,8 +258,8 @@ def _plan(template: str, state: dict, params: dict, mistake: bool) -> list[tuple
     a, b = params["from"], params["to"]
     src, dst = (users[b]["id"], users[a]["id"]) if mistake else (users[a]["id"], users[b]["id"])
     return [(f"find {a}", _call("find_user", name=a)), (f"find {b}", _call("find_user", name=b)),
-            ("send the money", _call("transfer", from_id=src, to_id=dst,
-                                     amount=params["amount"]))]
+            (f"send from the {'second to the first' if mistake else 'first to the second'}",
+             _call("transfer", from_id=src, to_id=dst, amount=params["amount"]))]
   if template == "refund_last":
     n = params["who"]
     uid = users[n]["id"]
@@ -262,7 +267,7 @@ def _plan(template: str, state: dict, params: dict, mistake: bool) -> list[tuple
     target = ids[0] if mistake else ids[-1]
     return [(f"find {n}", _call("find_user", name=n)),
             (f"orders of {n}", _call("list_orders", user_id=uid)),
-            ("refund the last order", _call("refund", order_id=target))]
+            (f"refund the {'first' if mistake else 'last'} order", _call("refund", order_id=target))]
   if template == "order_total":
     n = params["who"]
     uid = users[n]["id"]
@@ -270,7 +275,8 @@ def _plan(template: str, state: dict, params: dict, mistake: bool) -> list[tuple
     pick = ids[-1] if mistake else ids[0]
     return [(f"find {n}", _call("find_user", name=n)),
             (f"orders of {n}", _call("list_orders", user_id=uid)),
-            ("total of the first order", _call("get_order", order_id=pick))]
+            (f"total of the {'last' if mistake else 'first'} order",
+             _call("get_order", order_id=pick))]
   raise ValueError(f"unknown template {template}")
 
 
@@ -392,7 +398,7 @@ def fc_texts() -> list[str]:
            " ".join(a for args in FUNCTIONS.values() for a in args)] + list(NAMES)
   for t in TEMPLATES:
     texts.append(_task_text(t, {"who": "x", "from": "x", "to": "x", "amount": 1}))
-  texts += ["find orders of balance of send the money refund the last order",
+  texts += ["find orders of balance of send from the first to the second refund the last order",
             "total of the first order"]
   return texts
 
