@@ -107,3 +107,22 @@ def test_forced_slots_fit_in_the_step():
               _cfg(rollout__hard_prompts=-1)):
     with pytest.raises(ValueError, match="hard_prompts"):
       mhqa.validate(bad)
+
+
+def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
+  """A change to the expert's traces or the tokenizer's words (same config) misses the cache: a
+  first version keyed on the config alone restored a warm start trained with another vocabulary
+  after the function-calling expert's thoughts changed."""
+  from trace_jax.envs import fc_world
+
+  c = _cfg(task="fc", world__cache_dir=str(tmp_path))
+  base = assets.warm_start_sample_sha1(c, assets.load_assets(c))
+  assert base == assets.warm_start_sample_sha1(c, assets.load_assets(c))  # deterministic
+  assert warm_start_key(c, base) != warm_start_key(c, "0" * 12)
+  real = fc_world._plan
+
+  def other_thoughts(template, state, params, mistake):
+    return [("look " + t, call) for t, call in real(template, state, params, mistake)]
+
+  monkeypatch.setattr(fc_world, "_plan", other_thoughts)
+  assert assets.warm_start_sample_sha1(c, assets.load_assets(c)) != base

@@ -423,15 +423,18 @@ def _key_section(section) -> dict:
   return out
 
 
-def warm_start_key(c) -> str:
-  """Cache key of the warm start: everything that changes it, the effective seed included."""
+def warm_start_key(c, data_sha1: str | None = None) -> str:
+  """Cache key of the warm start: everything that changes it, the effective seed included.
+  `data_sha1` (`warm_start_sample_sha1`) ties it to the data's content, so a change to the
+  expert's traces or to the tokenizer's words misses the cache instead of restoring parameters
+  trained on other data (or with another vocabulary)."""
   sft = {k: v for k, v in dataclasses.asdict(c.sft).items() if k != "seed"}
   env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
   if c.world.kind != "lessons":  # the lessons world's fields shape nothing else
     world = {k: v for k, v in world.items() if k in ("seed", "trap_rate", "kind")}
   blob = json.dumps({"world": world, "model": model, "sft": sft, "task": c.task,
                      "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
-                     "v": 4}, sort_keys=True)
+                     "data": data_sha1, "v": 5}, sort_keys=True)
   return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -475,6 +478,14 @@ def warm_start_data(c, assets: Assets, num_traces: int | None = None,
   return recs, packed
 
 
+def warm_start_sample_sha1(c, assets: Assets, n: int = 64) -> str:
+  """Fingerprint of the first `n` warm-start traces as packed token rows: changes with the
+  expert's code, the world and the tokenizer's vocabulary; a fraction of a second to compute."""
+  _, packed = warm_start_data(c, assets, num_traces=n)
+  return fingerprint(*(packed[k] for k in sorted(packed) if isinstance(packed[k], np.ndarray)),
+                     np.asarray([assets.vocab_size]))
+
+
 def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
   """Fingerprints of what a synthetic run is built from: the world (`world_fingerprint`), its
   expert traces (their texts) and the packed warm-start rows (`fingerprint` of tokens and loss
@@ -497,7 +508,8 @@ def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
   info)."""
   from trace_jax.sft import SFTConfig, sft_train
 
-  d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{warm_start_key(c)}"))
+  key = warm_start_key(c, warm_start_sample_sha1(c, assets))
+  d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{key}"))
   ck = Checkpointer(d, max_to_keep=1)
   multi = jax.process_count() > 1
   # Several processes: the cached params live on every device, replicated (orbax writes them
