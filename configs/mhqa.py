@@ -54,8 +54,8 @@ def _base():
   c.world.n_relations = 24      # lessons world: K relations, each one lesson
   c.world.n_wordings = 2        # query verbs per relation: the fact verb and W - 1 decoys
   c.world.zipf_exponent = 0.8   # relation frequency 1 / rank^s
-  c.world.expert_rate_lo = 0.05  # the expert's fact-verb rate per relation: evenly spaced over
-  c.world.expert_rate_hi = 0.9   # [lo, hi], paired with relations independently of frequency
+  c.world.expert_rate_lo = 0.15  # the expert's fact-verb rate per relation: evenly spaced over
+  c.world.expert_rate_hi = 0.95  # [lo, hi], paired with relations independently of frequency
 
   c.data = ml_collections.ConfigDict()    # real data (qwen3 variants)
   c.data.train_path = ""    # local file in any supported format (trace_jax.data.load_qa)

@@ -120,7 +120,7 @@ def test_run_config_checks_world_fields():
   c = mhqa.get_config("lessons")
   assert mhqa.validate(c).world.kind == "lessons"
   for field, value, match in (("kind", "maze", "world.kind"), ("n_wordings", 1, "n_wordings"),
-                              ("expert_rate_lo", 0.95, "expert_rate")):
+                              ("expert_rate_lo", 0.99, "expert_rate")):
     bad = mhqa.get_config("lessons")
     bad.world[field] = value
     with pytest.raises(ValueError, match=match):
@@ -180,3 +180,48 @@ def test_wording_use_reads_the_policys_queries(world):
     nodes = [_Node(None)] + [_Node(t) for t in texts]
 
   assert wording_rates(world, [_Tree()]) == {r: 2 / 3}
+
+
+def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
+  """world_check's smooth lesson measure: one probability per lesson the held-out questions
+  need, in (0, 1), the same in any batch size (padding never leaks into a row), and read off
+  the model (a change to one fact verb's embedding changes that lesson's value)."""
+  import importlib.util
+
+  import jax
+  import jax.numpy as jnp
+
+  sys.path.append(os.path.join(ROOT, "configs"))
+  import mhqa
+
+  from trace_jax import train as T
+  spec = importlib.util.spec_from_file_location("world_check_mod",
+                                                os.path.join(ROOT, "launch", "world_check.py"))
+  wc = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(wc)
+
+  c = mhqa.get_config("smoke")
+  c.world.kind = "lessons"
+  c.world.cache_dir = str(tmp_path / "cache")
+  c.sft.steps, c.sft.num_traces = 3, 64
+  c.eval.size, c.rollout.num_pages = 4, 256
+  c.workdir = str(tmp_path / "run")
+  run = T.build(wc._typed(c))
+  test = run.assets.world.test[:12]
+  a = wc.lesson_choice_probs(run, run.init_params, test)
+  b = wc.lesson_choice_probs(run, run.init_params, test, chunk=5)
+  needed = {r for q in test for r in q.meta["relations"]}
+  assert set(a) == needed and set(b) == needed
+  assert all(0.0 < v < 1.0 for v in a.values())
+  np.testing.assert_allclose([a[r] for r in sorted(a)], [b[r] for r in sorted(b)], atol=1e-5)
+  r = sorted(needed)[0]
+  fact = run.assets.encode(" " + run.assets.world.lessons[r]["fact_verb"])[0]
+  params = jax.tree.map(jnp.copy, run.init_params)
+  emb = params["embed_tokens"]
+  emb = emb["embedding"] if isinstance(emb, dict) else emb  # a State or an array
+  if hasattr(emb, "value"):
+    emb.value = emb.value.at[fact].multiply(8.0)
+  else:
+    params["embed_tokens"] = emb.at[fact].multiply(8.0)
+  changed = wc.lesson_choice_probs(run, params, test)
+  assert abs(changed[r] - a[r]) > 1e-3

@@ -51,8 +51,8 @@ def test_tree_fingerprint():
 WORLD_DATA = {
     None: {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
            "sft_data": "63063f8e85f1"},
-    "lessons": {"world": "67c0cce5ae4a", "traces": "61cb58983187", "sft_rows": 880,
-                "sft_data": "900b53af5b7c"},
+    "lessons": {"world": "9a1cd657c8a8", "traces": "89473615f5d5", "sft_rows": 781,
+                "sft_data": "bd3b37a0b613"},
     "math": {"world": "d7ac2c314db7", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
     "fc": {"world": "001b3224676e", "traces": "a3788ee66de7", "sft_rows": 903,

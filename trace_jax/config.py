@@ -45,8 +45,8 @@ class WorldSection:
   n_relations: int = 24
   n_wordings: int = 2
   zipf_exponent: float = 0.8
-  expert_rate_lo: float = 0.05
-  expert_rate_hi: float = 0.9
+  expert_rate_lo: float = 0.15
+  expert_rate_hi: float = 0.95
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,8 +68,8 @@ phase() {
       [ ${#only[@]} -gt 0 ] && arms=("${only[@]}")
       for ws in 0 1; do for a in "${arms[@]}"; do decide_arm "$a" 2 "$ws"; done; done ;;
     control)  # world seed 2 with uniform frequency and one ε for every lesson, then the old world
-      local flat=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.475
-                  --set=world.expert_rate_hi=0.475)
+      local flat=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.55
+                  --set=world.expert_rate_hi=0.55)
       if [ -z "$BEST_BETA" ]; then echo "BEST_BETA is not set: run the tune phase first"; return 2; fi
       arm control_grpo 2 0 --methods=grpo --seeds=3 "${flat[@]}"
       arm control_trace_paper 2 0 --methods=trace_tree --seeds=3 "${flat[@]}"
