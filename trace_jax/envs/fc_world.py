@@ -267,7 +267,8 @@ def _plan(template: str, state: dict, params: dict, mistake: bool) -> list[tuple
     target = ids[0] if mistake else ids[-1]
     return [(f"find {n}", _call("find_user", name=n)),
             (f"orders of {n}", _call("list_orders", user_id=uid)),
-            (f"refund the {'first' if mistake else 'last'} order", _call("refund", order_id=target))]
+            (f"refund the {'first' if mistake else 'last'} order",
+             _call("refund", order_id=target))]
   if template == "order_total":
     n = params["who"]
     uid = users[n]["id"]
