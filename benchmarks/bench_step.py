@@ -31,8 +31,11 @@ from absl import app, flags  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
 _SETTINGS = flags.DEFINE_string(
-    "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,tree_grpo:batch,tree_grpo:stream",
-    "comma-separated method:stage2[:deadline] (deadline: rollout.stage2_deadline, stream only)")
+    "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,trace_tree:stream:nokeep,"
+    "tree_grpo:batch,tree_grpo:stream",
+    "comma-separated method:stage2[:deadline][:nokeep] (deadline: rollout.stage2_deadline, "
+    "stream only; nokeep: rollout.keep_pool_kv=False, the pool prefilled to score and the "
+    "sampled prompts again)")
 _STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
@@ -40,14 +43,15 @@ _OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
 
 
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
-            deadline: float = 0.0) -> dict:
+            deadline: float = 0.0, keep: bool = True) -> dict:
   import mhqa
 
   from trace_jax import train
 
   c = mhqa.get_config(variant)
   c.method, c.rollout.stage2, c.rollout.stage2_deadline = method, stage2, deadline
-  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}"
+  c.rollout.keep_pool_kv = keep
+  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}"
   c = mhqa.validate(c)
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
@@ -64,6 +68,7 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
 
   util = [r["ledger_busy_slot_steps"] / max(r["ledger_total_slot_steps"], 1) for r in recs]
   return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=0,
+              keep_pool_kv=keep,
               steps=len(recs),
               slot_utilization=float(np.median(util)),
               decode_steps_per_step=med("ledger_decode_steps"),
@@ -80,9 +85,11 @@ def main(argv):
   del argv
   rows = []
   for setting in _SETTINGS.value.split(","):
-    method, stage2, *deadline = setting.split(":")
+    method, stage2, *rest = setting.split(":")
+    keep = "nokeep" not in rest
+    deadline = [float(x) for x in rest if x != "nokeep"]
     row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value,
-                  float(deadline[0]) if deadline else 0.0)
+                  deadline[0] if deadline else 0.0, keep)
     if _NO_TIMING.value:
       row.update(sample_s=None, update_s=None)
     rows.append(row)
@@ -99,13 +106,16 @@ def main(argv):
   import matplotlib.pyplot as plt
 
   labels = [f"{r['method']}\n{r['stage2']}"
-            + (f" dl {r['stage2_deadline']:g}" if r.get("stage2_deadline") else "") for r in rows]
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+            + (f" dl {r['stage2_deadline']:g}" if r.get("stage2_deadline") else "")
+            + ("" if r.get("keep_pool_kv", True) else " nokeep") for r in rows]
+  fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
   axes[0].bar(labels, [r["slot_utilization"] for r in rows], color="tab:blue")
   axes[0].axhline(0.85, color="grey", ls="--", lw=0.8)
   axes[0].set(title="slot utilization (median step)", ylim=(0, 1))
   axes[1].bar(labels, [r["decode_steps_per_step"] for r in rows], color="tab:orange")
   axes[1].set(title="decode steps per RL step")
+  axes[2].bar(labels, [r["prefill_tokens_per_step"] for r in rows], color="tab:green")
+  axes[2].set(title="prefill tokens per RL step")
   for ax in axes:
     ax.tick_params(axis="x", labelsize=8)
   fig.tight_layout()

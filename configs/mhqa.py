@@ -148,6 +148,8 @@ def _base():
   c.rollout.anchors = "all"       # all | before_tool_call (stage-2 anchors only before a tool call)
   c.rollout.stage2 = "batch"      # batch | stream: a tree's continuations start when its own
   #                                 stage-1 rollouts end, in the slots stage 1's tail leaves idle
+  c.rollout.keep_pool_kv = True   # the candidate pool's scoring prefill keeps its K/V pages for
+  #                                  the prompts then sampled (each prompt prefilled once a step)
   c.rollout.stage2_deadline = 0.0  # stream: at most this share of stage-1 trees still running,
   #                                  the budget left is spent (0: by the last tree to finish)
 

@@ -55,8 +55,8 @@ WORLD_DATA = {
                 "sft_data": "bd3b37a0b613"},
     "math": {"world": "d7ac2c314db7", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
-    "fc": {"world": "001b3224676e", "traces": "a3788ee66de7", "sft_rows": 903,
-           "sft_data": "734dba887dcc"},
+    "fc": {"world": "001b3224676e", "traces": "a3788ee66de7", "sft_rows": 879,
+           "sft_data": "5352e9872601"},
 }
 
 

@@ -320,3 +320,62 @@ def test_on_trees_done_streams_a_second_stage_into_the_same_run(model):
   assert all(b is None for b in engine.slots)
   engine.release()
   assert engine.alloc.num_free == engine.alloc.capacity and not engine.alloc.refcount.any()
+
+
+def test_scored_pool_keeps_its_kv_for_the_prompts_sampled(model):
+  """prompt_features(keep=True) prefills the pool once: its features equal the plain forward's,
+  the prompts then sampled reuse the kept pages (no second prefill; the same tokens as without
+  keeping, greedy and sampled), the others' pages are released when the run ends, and 50 rounds
+  of score, sample, fork, release leak no page."""
+  pool = PROMPTS + [[7, 8, 9, 10, 11, 12, 13, 14, 15], [2, 3, 4, 5]]
+  for greedy in (True, False):
+    plain, kept = make_engine(model, greedy=greedy), make_engine(model, greedy=greedy)
+    free0 = kept.alloc.num_free
+    f_plain = plain.prompt_features(pool)
+    f_kept = kept.prompt_features(pool, keep=True)
+    np.testing.assert_allclose(f_kept, f_plain, atol=2e-4)
+    assert kept.kept_prompts == len(pool) and kept.alloc.num_free < free0
+    scored = kept.ledger.prefill_tokens
+    assert scored == sum(map(len, pool)) == plain.ledger.prefill_tokens
+    chosen = [pool[0], pool[3]]
+    a = plain.run([PromptRequest(p, n=3) for p in chosen])
+    b = kept.run([PromptRequest(p, n=3) for p in chosen])
+    assert leaf_sequences(a) == leaf_sequences(b)
+    # Sampling prefilled the chosen prompts again without keeping; with it, only the same
+    # observations (identical rollouts) as the plain engine.
+    assert plain.ledger.prefill_tokens - kept.ledger.prefill_tokens == sum(
+        len(p) - 1 for p in chosen)
+    assert kept.kept_prompts == 0  # the unchosen prompts' pages went back as the run started
+    check_against_forward(b, *model, greedy=greedy)
+    kept.release(b)
+    assert kept.alloc.num_free == free0 and not kept.alloc.refcount.any()
+  engine = make_engine(model, greedy=False)
+  free0 = engine.alloc.num_free
+  rng = np.random.default_rng(0)
+  for i in range(50):
+    engine.prompt_features(pool, keep=True)
+    pick = [pool[j] for j in rng.choice(len(pool), size=2, replace=False)]
+    if i % 5 == 4:  # new weights before sampling: the kept pages are stale and go back
+      engine.update_params(model[1])
+      assert engine.kept_prompts == 0
+    trees = engine.run([PromptRequest(p, n=2) for p in pick])
+    engine.run([ForkRequest(t, a.id, 1) for t in trees for a in t.anchors() if a.depth == 1])
+    if i % 7 == 6:  # an evaluation's release of everything drops kept pages too
+      engine.prompt_features(pool, keep=True)
+      engine.release()
+    else:
+      engine.release(trees)
+    assert engine.alloc.num_free == free0 and not engine.alloc.refcount.any(), i
+  with pytest.raises(ValueError, match="count as prefill"):
+    engine.prompt_features(pool, count_prefill=False, keep=True)
+
+
+def test_scoring_with_keep_falls_back_when_the_pool_is_full(model):
+  engine = make_engine(model, num_pages=16, max_seq_len=40)
+  pool = [list(range(2, 2 + 14))] * 1 + [[3 + i, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] for i in range(6)]
+  f = engine.prompt_features(pool, keep=True)
+  np.testing.assert_allclose(f, make_engine(model, num_pages=16, max_seq_len=40)
+                             .prompt_features(pool), atol=2e-4)
+  assert 0 < engine.kept_prompts < len(pool)  # some kept, the rest scored the plain way
+  engine.drop_kept()
+  assert engine.alloc.num_free == 16 - engine.shards  # every page back (less the null page)

@@ -85,7 +85,7 @@ def tool_task_smoke(tmp_path, config: str):
                "--config.sft.steps=3", "--config.sft.num_traces=64",
                "--config.rollout.prompts_per_step=2", "--config.rollout.root_budget=4",
                "--config.rollout.prefix_budget=2", "--config.rollout.num_slots=4",
-               "--config.rollout.num_pages=256", "--config.eval.size=4",
+               "--config.rollout.num_pages=512", "--config.eval.size=4",
                "--config.eval.probe_prompts=2")
   assert res.returncode == 0, res.stdout[-3000:]
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -135,6 +135,7 @@ class RolloutSection:
   anchors: str
   stage2: str
   stage2_deadline: float
+  keep_pool_kv: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -275,7 +275,9 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> Run:
     engine = ProcessShardedEngine(engine, mesh)
   predict = make_predictor(pred_graphdef)
   # The driver's predictor is set from the loop state at every sample_step.
-  driver = RolloutDriver(engine, driver_config(c), None, engine.prompt_features, seed=c.seed)
+  driver = RolloutDriver(engine, driver_config(c), None,
+                         functools.partial(engine.prompt_features, keep=c.rollout.keep_pool_kv),
+                         seed=c.seed)
 
   # ---- predictor fit and the update step
   update_cfg = update_config(c)

@@ -404,12 +404,18 @@ def fc_texts() -> list[str]:
   return texts
 
 
+MAX_NUMBER_TOKEN = 1000  # every id, amount and balance the generator makes is below it
+
+
 def build_fc_tokenizer():
-  """Word-level tokenizer of the function-calling task: its words, names, JSON punctuation,
-  single digits and the tags."""
+  """Word-level tokenizer of the function-calling task: its words, names, JSON punctuation, the
+  tags, and each whole number below `MAX_NUMBER_TOKEN` as one token. Ids are copied from
+  responses into later calls, and a tiny model copies one token far more reliably than a
+  run of digits (a first version spelled numbers digit by digit; its warm start miscopied
+  ids in most calls, "5 2 3" written as "5 2 1", whatever the procedure)."""
   from trace_jax.envs.synthetic_tokenizer import word_tokenizer
 
-  return word_tokenizer(fc_texts(), TAGS, digits=True)
+  return word_tokenizer(fc_texts() + [" ".join(map(str, range(MAX_NUMBER_TOKEN)))], TAGS)
 
 
 # ---- real data: BFCL-style JSON ------------------------------------------------------------------

@@ -195,7 +195,10 @@ class SamplerEngine:
     self._decode = engine_ops.make_decode_step(
         model_graphdef, cfg.attention_impl, max(cfg.top_k, 0), cfg.top_p < 1.0, self.layout,
         cfg.decode_steps, tuple(stop_seqs), eos_id)
-    self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout)
+    # One prefill for everything (sampling, observations, scoring a pool with keep): it also
+    # returns each row's final states, read only when a scoring job asks, so scoring compiles
+    # nothing that sampling does not.
+    self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout, True)
     self._copy = make_copy_pages(self.layout)
     self._features = engine_ops.make_feature_step(model_graphdef, self.layout,
                                                   cfg.prompt_mean_features)
@@ -204,6 +207,10 @@ class SamplerEngine:
     # prompt -> mean final state over it, under the current weights (prompt_mean_features): the
     # pool scoring computes it for every candidate, so admitting a scored prompt costs nothing.
     self._prompt_means: dict[tuple, np.ndarray] = {}
+    # prompt -> (pages, kv_len) of prompts scored with `prompt_features(keep=True)` and not yet
+    # admitted: their K/V, kept for the sampler so no prompt is prefilled twice in a step. Dropped
+    # when new weights arrive, when the next pool is scored, and when a run has admitted its own.
+    self._kept: dict[tuple, tuple[list[int], int]] = {}
     # Bounded and off by default: a training run makes millions of decode steps and never reads
     # them (see record_steps).
     self.record_steps = max(0, int(record_steps))
@@ -221,6 +228,19 @@ class SamplerEngine:
   def update_params(self, params_state) -> None:
     self.state = self._place(params_state)
     self._prompt_means.clear()  # computed under the old weights
+    self.drop_kept()
+
+  def drop_kept(self) -> None:
+    """Releases the pages of scored prompts kept for sampling (`prompt_features(keep=True)`)
+    that no run has admitted."""
+    for pages, _ in self._kept.values():
+      self.alloc.decref(pages)
+    self._kept.clear()
+
+  @property
+  def kept_prompts(self) -> int:
+    """Scored prompts whose K/V pages are kept for the sampler (not yet admitted)."""
+    return len(self._kept)
 
   set_params = update_params
 
@@ -257,14 +277,62 @@ class SamplerEngine:
     return {k: getattr(f, "_cache_size", lambda: -1)() for k, f in fns.items()}
 
   def prompt_features(self, prompts: Sequence[Sequence[int]],
-                      count_prefill: bool = True) -> np.ndarray:
+                      count_prefill: bool = True, keep: bool = False) -> np.ndarray:
     """Predictor features of prompts before sampling them: f32[N, D], the final hidden state at
     each prompt's last token (what the engine records as `tree.root.feature`; with
     `prompt_mean_features` f32[N, 2D], that state and the mean final state over the prompt).
     Batches of `prefill_batch` rows (on a mesh: rounded up to whole rows per data shard, the
     rows split over the shards), lengths padded to the page-table buckets (in tokens). The prompt
     tokens count as prefill in the ledger unless `count_prefill` is False (work that is not
-    sampling, e.g. re-featurizing the predictor's training prompts)."""
+    sampling, e.g. re-featurizing the predictor's training prompts).
+
+    keep: score the prompts with the sampler's own chunked prefill into KV pages and keep those
+    pages for the prompts the next `run` admits (the others are released as it starts, or when
+    the next pool is scored, or at `update_params`): a candidate pool is prefilled once,
+    whichever of its prompts are then sampled. Prompts that do not fit in the free pages are
+    scored the plain way. The features agree with the plain way's to float rounding."""
+    if keep:
+      if not count_prefill:
+        raise ValueError("keep=True prefills for sampling; its tokens count as prefill")
+      return self._score_and_keep(prompts)
+    return self._plain_features(prompts, count_prefill)
+
+  def _score_and_keep(self, prompts) -> np.ndarray:
+    cfg = self.cfg
+    self.drop_kept()
+    keys = [tuple(int(t) for t in p) for p in prompts]
+    jobs, plain = {}, []
+    for i, key in enumerate(dict.fromkeys(keys)):
+      if not 1 <= len(key) < cfg.max_seq_len:
+        raise ValueError(f"prompt length {len(key)} not in [1, max_seq_len={cfg.max_seq_len})")
+      try:
+        pages = self.alloc.alloc(-(-len(key) // cfg.page_size), i % self.shards)
+      except PoolExhaustedError:
+        plain.append(key)
+        continue
+      # [branch, pages, start, tokens, features]: the whole prompt, its last token included (the
+      # first decode step writes that token's K/V again, identically), for its final state.
+      jobs[key] = [None, pages, 0, list(key), {"last": None, "sum": 0.0}]
+    self._jobs.extend(jobs.values())
+    self._flush_prefill()
+    feats = {}
+    d = self.model_cfg.hidden_size
+    for key, job in jobs.items():
+      acc = job[4]
+      f = acc["last"]
+      if cfg.prompt_mean_features:
+        mean = np.asarray(acc["sum"], np.float32) / len(key)
+        self._prompt_means[key] = mean
+        f = np.concatenate([f, mean])
+      feats[key] = np.asarray(f, np.float32)
+      self._kept[key] = (job[1], len(key) - 1)
+    if plain:
+      for key, f in zip(plain, self._plain_features(plain, True)):
+        feats[key] = f
+    width = feature_width(d, "last+prompt_mean" if cfg.prompt_mean_features else "last")
+    return (np.stack([feats[k] for k in keys]) if keys else np.zeros((0, width), np.float32))
+
+  def _plain_features(self, prompts, count_prefill: bool) -> np.ndarray:
     cfg = self.cfg
     rows = self.prefill_rows * self.shards
     out = []
@@ -340,7 +408,10 @@ class SamplerEngine:
   def release(self, trees: Sequence[Tree] | None = None) -> None:
     """Drops every page reference held by `trees` (all live trees if None) and the engine's record
     of them, and the environment's per-node state when the env callback keeps one (it has a
-    `release(trees)` method)."""
+    `release(trees)` method). With `trees` None, also the pages of scored prompts kept for
+    sampling (`drop_kept`)."""
+    if trees is None:
+      self.drop_kept()
     trees = [st.tree for st in self._trees.values()] if trees is None else list(trees)
     for tree in trees:
       st = self._trees.pop(tree.uid, None)
@@ -397,6 +468,7 @@ class SamplerEngine:
                      for w, d in zip(self.slot_worker, self.slot_shard)}
     self._on_trees_done, self._idle = on_trees_done, []
     trees = self._run_trees = self._admit(requests, num_workers)
+    self.drop_kept()  # the scored prompts this run does not sample: their pages go back now
     try:
       self._loop(sync_turns, num_workers, sync_refill)
     finally:
@@ -429,6 +501,11 @@ class SamplerEngine:
         tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
         st = self._trees[uid] = TreeState(tree)
         node_id, count = 0, req.n
+        kept = self._kept.pop(tuple(ids), None)
+        if kept is not None:  # scored with keep: its K/V is in these pages already
+          st.kv[0] = kept
+          st.page_refs.append(kept[0])
+          st.shard = self.alloc.shard_of(kept[0][0])
       else:
         tree, node_id, count = req.tree, req.node, req.k
         node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
@@ -504,7 +581,7 @@ class SamplerEngine:
         pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
         st.page_refs.append(pages)
         st.kv[0] = (pages, n)
-        self._jobs.append([None, pages, 0, list(prompt[:-1])])
+        self._jobs.append([None, pages, 0, list(prompt[:-1]), None])
     self._flush_prefill()
     src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
     for slot, st, node_id in starts:
@@ -543,7 +620,9 @@ class SamplerEngine:
       self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))
 
   def _flush_prefill(self):
-    """Runs queued prefill jobs [branch|None, pages, start, tokens] in chunk/row buckets; on a
+    """Runs queued prefill jobs [branch|None, pages, start, tokens, features|None] in chunk/row
+    buckets (a job with a features dict gets its final state at its last token and the sum of
+    its final states, `prompt_features(keep=True)`); on a
     mesh each call holds a block of `prefill_rows` rows per data shard, each shard's own jobs."""
     cfg, jobs = self.cfg, [j for j in self._jobs if j[3]]
     self._jobs = []
@@ -565,6 +644,7 @@ class SamplerEngine:
         table[d * n:(d + 1) * n] = self.alloc.null_page(d)
       batch = {"tokens": np.zeros((rows, c), np.int32), "table": table,
                "start": np.zeros(rows, np.int32), "num_new": np.zeros(rows, np.int32)}
+      rows_of = []
       for d, r, j in picked:
         t, r = take[id(j)], d * n + r
         batch["tokens"][r, :t] = j[3][:t]
@@ -573,7 +653,13 @@ class SamplerEngine:
         j[2] += t
         j[3] = j[3][t:]
         self.ledger.prefill_tokens += t
-      self.pool = self._prefill(self.state, self.pool, batch)
+        rows_of.append((r, j))
+      self.pool, last, total = self._prefill(self.state, self.pool, batch)
+      if any(j[4] is not None for _, j in rows_of):  # scoring: read the rows' final states
+        last, total = np.asarray(last), np.asarray(total)
+        for r, j in rows_of:
+          if j[4] is not None:
+            j[4]["last"], j[4]["sum"] = last[r], j[4]["sum"] + total[r]
       jobs = [j for j in jobs if j[3]]
 
   def _budget(self, b: _Branch) -> int:
@@ -754,7 +840,7 @@ class SamplerEngine:
       except PoolExhaustedError:
         node.done, node.truncated, node.reward = True, "pool_exhausted", cfg.truncation_reward
         return
-      self._jobs.append([b, b.pages, b.kv_len, tokens])
+      self._jobs.append([b, b.pages, b.kv_len, tokens, None])
       b.kv_len += len(tokens)
       b.pending = obs[-1]
     b.state.kv[node.id] = (b.pages, b.kv_len)

@@ -105,12 +105,14 @@ class ProcessShardedEngine:
 
   set_params = update_params
 
-  def prompt_features(self, prompts, count_prefill: bool = True) -> np.ndarray:
-    """The features of every prompt (each process computes a contiguous share)."""
+  def prompt_features(self, prompts, count_prefill: bool = True, keep: bool = False) -> np.ndarray:
+    """The features of every prompt (each process computes a contiguous share; with `keep`, each
+    keeps the K/V of its share, used where the prompt's tree is then placed on it)."""
     n = len(prompts)
     lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
     before = self.inner.ledger.as_dict()
-    feats = self.inner.prompt_features(list(prompts[lo:hi]), count_prefill=count_prefill)
+    feats = self.inner.prompt_features(list(prompts[lo:hi]), count_prefill=count_prefill,
+                                       keep=keep)
     parts = allgather_object((feats, _ledger_delta(self.inner.ledger.as_dict(), before)))
     self._add_ledger([d for _, d in parts])
     return np.concatenate([f for f, _ in parts])
