@@ -372,7 +372,7 @@ def test_scored_pool_keeps_its_kv_for_the_prompts_sampled(model):
 
 def test_scoring_with_keep_falls_back_when_the_pool_is_full(model):
   engine = make_engine(model, num_pages=16, max_seq_len=40)
-  pool = [list(range(2, 2 + 14))] * 1 + [[3 + i, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] for i in range(6)]
+  pool = [list(range(2, 16))] + [[3 + i, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] for i in range(6)]
   f = engine.prompt_features(pool, keep=True)
   np.testing.assert_allclose(f, make_engine(model, num_pages=16, max_seq_len=40)
                              .prompt_features(pool), atol=2e-4)
