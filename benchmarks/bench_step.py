@@ -2,14 +2,19 @@
 
   python benchmarks/bench_step.py --steps=6 --warmup=2
   python benchmarks/bench_step.py --settings=trace_tree:stream --no_timing   # counts only
+  python benchmarks/bench_step.py --settings=trace_tree:stream:nokeep       # pool prefilled twice
 
 For each setting `method:stage2` (one process builds every run of the default config's warm
 start in turn, after the warm-start probe fit of the head) it runs `--warmup` RL steps, then
 `--steps` measured ones, and reports medians over the measured steps of: slot utilization (busy
 slot steps / slot steps, from the engine's ledger), decode steps per RL step, prefill and
 generated tokens per step, rollouts started (the budget, which the ledger proves), and, unless
-`--no_timing`, the seconds of sampling and of the update. The counts do not depend on the
-machine's load; the seconds do, so time only on an otherwise idle machine.
+`--no_timing`, the seconds of sampling and of the update; and per step from the first, the XLA
+compilations and their seconds (`compiles_by_step`: the first steps' extra cost, issue 29 item
+4; compiled functions are shared within a process, so compare settings run in processes of
+their own, `--out` per setting). The counts do not depend on the machine's load; the seconds
+do, so time only on an otherwise idle machine. `nokeep` in a setting turns the pool's kept K/V
+off (`rollout.keep_pool_kv`): the pool prefilled to score, the sampled prompts again.
 Writes results/step_bench.json ({"runs": [{"method", "stage2", "off_policy_steps",
 "slot_utilization", "decode_steps_per_step", "prefill_tokens_per_step", "sample_s", "update_s",
 ...}]}) and results/step_bench.png.
@@ -41,6 +46,14 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilat
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
 _OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
 
+COMPILES = {"n": 0, "s": 0.0}  # XLA backend compilations seen so far, and their seconds
+
+
+def _on_duration(event, duration, **_):
+  if event == "/jax/core/compile/backend_compile_duration":
+    COMPILES["n"] += 1
+    COMPILES["s"] += float(duration)
+
 
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
             deadline: float = 0.0, keep: bool = True) -> dict:
@@ -55,11 +68,14 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   c = mhqa.validate(c)
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
-  recs = []
+  recs, compiles, compile_s = [], [], []
   for _ in range(warmup + steps):
+    n0, s0 = COMPILES["n"], COMPILES["s"]
     sample, rec = train.sample_step(run, state)
     state, rec = train.update_step(run, state, sample, rec)
     recs.append(rec)
+    compiles.append(COMPILES["n"] - n0)
+    compile_s.append(round(COMPILES["s"] - s0, 2))
   recs = recs[warmup:]
 
   def med(key):
@@ -78,11 +94,15 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
               effective_ratio=med("effective_ratio"),
               stage2_decisions=med("stage2_decisions"), stage2_unspent=med("stage2_unspent"),
               stage2_last_share=med("stage2_last_share"),
-              sample_s=med("sample_seconds"), update_s=med("update_seconds"))
+              sample_s=med("sample_seconds"), update_s=med("update_seconds"),
+              # Per step from the first (warm-up included): XLA compilations and their seconds.
+              compiles_by_step=compiles, compile_s_by_step=compile_s)
 
 
 def main(argv):
   del argv
+  import jax
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
   rows = []
   for setting in _SETTINGS.value.split(","):
     method, stage2, *rest = setting.split(":")
