@@ -53,10 +53,10 @@ WORLD_DATA = {
            "sft_data": "63063f8e85f1"},
     "lessons": {"world": "9a1cd657c8a8", "traces": "89473615f5d5", "sft_rows": 781,
                 "sft_data": "bd3b37a0b613"},
-    "math": {"world": "d7ac2c314db7", "traces": "e9b787b640dd", "sft_rows": 666,
+    "math": {"world": "249bc5eb0bed", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
-    "fc": {"world": "001b3224676e", "traces": "a3788ee66de7", "sft_rows": 879,
-           "sft_data": "5352e9872601"},
+    "fc": {"world": "0f8943b05802", "traces": "2ff2fa2f57d0", "sft_rows": 879,
+           "sft_data": "202231874a4a"},
 }
 
 

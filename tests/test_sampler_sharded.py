@@ -30,3 +30,7 @@ def test_engine_on_mesh_2x2x2_matches_one_device_and_keeps_the_pool_split():
   # single-device features.
   assert res["features_spec"] == ["('data', 'fsdp')"] and res["features_shape"] == [6, 128]
   assert res["features_max_abs_vs_one_device"] < 1e-4
+  # The pool scored with keep on the mesh: the same features, the trees sampled from the kept
+  # pages with the single device's tokens, and every page back after release.
+  assert res["kept_features_max_abs_vs_one_device"] < 1e-4 and res["kept_same_tokens"]
+  assert res["kept_trees_on_their_pages_shard"] and res["kept_released_all"]

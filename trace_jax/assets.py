@@ -229,9 +229,14 @@ def world_dir_name(c) -> str:
   return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
 
 
-def _config_dir_name(name: str, cfg) -> str:
-  """`{name}-seed{seed}-{hash of the whole generator config}`: a cache directory per config."""
-  blob = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+def _config_dir_name(name: str, cfg, generator: int = 1) -> str:
+  """`{name}-seed{seed}-{hash of the whole generator config}`: a cache directory per config, and
+  per `generator` version (a world class's `GENERATOR`, raised when its code changes what a
+  config generates; version 1 leaves the name as it was)."""
+  d = dataclasses.asdict(cfg)
+  if generator != 1:
+    d["generator"] = generator
+  blob = json.dumps(d, sort_keys=True)
   return f"{name}-seed{cfg.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
 
 
@@ -335,7 +340,8 @@ def tool_task_assets(c) -> Assets:
   spec = EMBEDDED_TASKS[c.task]
   cfg = spec.world_config(seed=c.world.seed,
                           expert_rate_range=(c.world.expert_rate_lo, c.world.expert_rate_hi))
-  wdir = os.path.join(c.world.cache_dir, _config_dir_name(spec.name, cfg))
+  wdir = os.path.join(c.world.cache_dir, _config_dir_name(spec.name, cfg,
+                                                         getattr(spec.world_cls, "GENERATOR", 1)))
   world = cached_world(wdir, spec.file, lambda: spec.generate(cfg), spec.world_cls.load)
   tok = spec.tokenizer(world)
   encode = lambda s: tok.encode(s).ids  # noqa: E731
@@ -492,9 +498,11 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
   mask), with the row count. None of it may depend on the machine; `tests/test_provenance.py`
   holds committed values."""
   recs, packed = warm_start_data(c, assets, num_traces)
-  world = (world_fingerprint(assets.world) if hasattr(assets.world, "corpus") else
-           text_fingerprint(x for e in assets.train + assets.test
-                            for x in (e["id"], e["question"], *map(str, e["answers"]))))
+  if hasattr(assets.world, "corpus"):
+    world = world_fingerprint(assets.world)
+  else:  # a tool task's problems, whole (their states and numbers as well as their texts)
+    world = text_fingerprint(json.dumps(dataclasses.asdict(p), sort_keys=True)
+                             for p in assets.world.train + assets.world.test)
   return dict(world=world,
               traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
                                       (seg[0], str(int(seg[1])))),

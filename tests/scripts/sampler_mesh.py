@@ -115,6 +115,21 @@ def main():
   two_stage(engine)
   res["recompiled"] = engine.compile_counts() != before
   engine.release()
+  # A scored pool kept on the mesh: features as on one device, the sampled trees reuse the kept
+  # pages (on their shards) and sample the single device's tokens, nothing leaks.
+  free0 = engine.alloc.num_free
+  f_kept = engine.prompt_features(scored, keep=True)
+  res["kept_features_max_abs_vs_one_device"] = float(abs(f_kept - f_one).max())
+  pre = engine.ledger.prefill_tokens
+  kept_trees = engine.run([PromptRequest(p, n=2) for p in PROMPTS])
+  res["kept_same_tokens"] = leaves(kept_trees) == leaves(
+      make_engine(model).run([PromptRequest(p, n=2) for p in PROMPTS]))
+  res["kept_prefill_after_scoring"] = engine.ledger.prefill_tokens - pre
+  res["kept_trees_on_their_pages_shard"] = all(
+      all(p // n == engine.tree_state(t).shard for pages in engine.tree_state(t).page_refs
+          for p in pages) for t in kept_trees)
+  engine.release()
+  res["kept_released_all"] = engine.alloc.num_free == free0
   # Plain paged attention (no groups) on the mesh: the same tokens too.
   plain = make_engine(model, mesh, use_tree_attention=False)
   res["plain_same_tokens"] = leaves(plain.run([PromptRequest(p, n=2) for p in PROMPTS])) == \

@@ -501,11 +501,17 @@ class SamplerEngine:
         tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
         st = self._trees[uid] = TreeState(tree)
         node_id, count = 0, req.n
-        kept = self._kept.pop(tuple(ids), None)
+        kept = self._kept.get(tuple(ids))
         if kept is not None:  # scored with keep: its K/V is in these pages already
-          st.kv[0] = kept
-          st.page_refs.append(kept[0])
-          st.shard = self.alloc.shard_of(kept[0][0])
+          shard = self.alloc.shard_of(kept[0][0])
+          # On a mesh the pages fix the tree's shard; a shard already fuller than the emptiest
+          # by more than this tree prefills it afresh there instead (balance over one prefill).
+          shard_load = lambda d: min(v for c, v in load.items() if c[1] == d)  # noqa: E731
+          if shard_load(shard) - min(load.values()) <= count:
+            del self._kept[tuple(ids)]
+            st.kv[0] = kept
+            st.page_refs.append(kept[0])
+            st.shard = shard
       else:
         tree, node_id, count = req.tree, req.node, req.k
         node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
