@@ -370,7 +370,8 @@ def summarize_grpo(curves: dict) -> dict:
 
 def plot(out: dict, path: str) -> bool:
   """The lessons at a glance: frequency against the expert's fact-verb rate, colored by the warm
-  start's own fact-verb share; the warm start's mixed share of groups per lesson; and, once the
+  start's probability of the fact verb (`lesson_choice_probs`; files from before it: its greedy
+  fact-verb share); the warm start's mixed share of groups per lesson; and, once the
   grpo part ran, the discovery steps. Returns whether it wrote `path`."""
   lessons = out.get("lessons")
   if not lessons:
@@ -383,7 +384,9 @@ def plot(out: dict, path: str) -> bool:
   w = np.array([lessons[r]["weight"] for r in names])
   eps = np.array([lessons[r]["expert_rate"] for r in names])
   ws = out.get("warm_start") or {}
-  fv = ws.get("fact_verb_by_lesson") or {}
+  fv = ws.get("fact_verb_prob_by_lesson") or ws.get("fact_verb_by_lesson") or {}
+  what = ("probability of the fact verb" if ws.get("fact_verb_prob_by_lesson")
+          else "fact-verb share")
   mixed = ws.get("mixed_share_by_lesson") or {}
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   ax = axes[0]
@@ -394,7 +397,7 @@ def plot(out: dict, path: str) -> bool:
                   edgecolors="k")
   ax.set_xscale("log")
   ax.set(xlabel="relation weight (question frequency)", ylabel="expert's fact-verb rate ε",
-         title="lessons (color: warm start's fact-verb share)")
+         title=f"lessons (color: warm start's {what})")
   fig.colorbar(sc, ax=ax)
   ax = axes[1]
   m = [mixed.get(r, np.nan) for r in names]
