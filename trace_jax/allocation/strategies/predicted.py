@@ -100,6 +100,21 @@ def forced_slots(p_hat, n_sel: int, hard_prompts: int, explore_prompts: int, rng
   return out, {"explored": explored, "hard": hard}
 
 
+_ANCHOR_POSTERIOR = jax.jit(allocators.anchor_posterior)
+_BLEND = jax.jit(allocators.blend_with_outcomes)
+
+
+def _bucketed(fn, h: int, *arrays, prior: float) -> np.ndarray:
+  """fn(*arrays, prior)[:h] with each f32[h] array padded (with its given value) to the next
+  power of two (at least 16): the number of candidates changes every step, and an eager or
+  exactly-shaped call compiles anew for each count (13 compilations a step at the default size
+  before this)."""
+  n = max(16, 1 << max(h - 1, 0).bit_length())
+  padded = [np.concatenate([np.asarray(a, np.float32), np.full(n - h, v, np.float32)])
+            for a, v in arrays]
+  return np.asarray(fn(*padded, np.float32(prior)))[:h]
+
+
 def anchor_estimates(driver, trees, cands, use_predictor):
   """Success estimates of the candidates for stage 2: p̂(h), and with `anchor_posterior` the
   Beta posterior of the tree's stage-1 counts shifted by p̂(h) - p̂(root) (see
@@ -123,13 +138,14 @@ def anchor_estimates(driver, trees, cands, use_predictor):
   if c.anchor_posterior:
     succ = {ti: sum(float(x.reward or 0.0) for x in trees[ti].leaves()) for ti in used}
     trials = {ti: float(len(trees[ti].leaves())) for ti in used}
-    p_hat = np.asarray(allocators.anchor_posterior(
-        p_hat, np.asarray([p_root_t[ti] for ti, _ in cands], np.float32),
-        np.asarray([succ[ti] for ti, _ in cands], np.float32),
-        np.asarray([trials[ti] for ti, _ in cands], np.float32), c.anchor_prior_strength))
+    p_hat = _bucketed(_ANCHOR_POSTERIOR, h, (p_hat, 0.5),
+                      (np.asarray([p_root_t[ti] for ti, _ in cands], np.float32), 0.5),
+                      (np.asarray([succ[ti] for ti, _ in cands], np.float32), 0.0),
+                      (np.asarray([trials[ti] for ti, _ in cands], np.float32), 0.0),
+                      prior=c.anchor_prior_strength)
   elif c.blend_prior > 0:
-    p_hat = np.asarray(allocators.blend_with_outcomes(p_hat, outcomes, np.ones(h),
-                                                      c.blend_prior))
+    p_hat = _bucketed(_BLEND, h, (p_hat, 0.5), (outcomes, 0.0), (np.ones(h, np.float32), 0.0),
+                      prior=c.blend_prior)
   return np.clip(p_hat, 1e-4, 1 - 1e-4).astype(np.float32), outcomes
 
 
