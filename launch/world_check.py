@@ -170,73 +170,10 @@ def _evaluate_warm_start(c, mixed: bool) -> dict:
 
 
 def lesson_choice_probs(run, params, examples, chunk: int = 64) -> dict:
-  """{relation: mean over its hops in `examples` of the policy's probability of the fact verb
-  among the relation's own verbs}, read at the first query word of each search of the oracle's
-  trace (teacher-forced: the prefix is the oracle's, so every hop is measured whatever the policy
-  would have done before it). A smooth measure of each lesson, unlike the fact-verb share of
-  greedy searches, which flips wholesale when a lesson near one half moves a little."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
+  """`trace_jax.diagnostics.lesson_choice_probs` of the run's model with `params`."""
+  from trace_jax.diagnostics import lesson_choice_probs as probs
 
-  from trace_jax.envs.synthetic import oracle_world
-  from trace_jax.envs.synthetic_traces import expert_trace, trace_segments
-  from trace_jax.sft import encode_segments
-
-  a, world = run.assets, run.assets.world
-  oracle = oracle_world(world)
-  open_tag = "<search>"
-
-  def verb_id(v):
-    ids = a.encode(" " + v)
-    if len(ids) != 1:
-      raise ValueError(f"verb {v!r} is {len(ids)} tokens; the measure needs one")
-    return ids[0]
-
-  verbs = {r: [verb_id(v["fact_verb"])] + [verb_id(d) for d in v["decoy_verbs"]]
-           for r, v in world.lessons.items()}
-  rows, rels = [], []
-  rng = np.random.default_rng(0)
-  for q in examples:
-    segs = trace_segments(q, expert_trace(oracle, q, rng))
-    hop = 0
-    for i, (text, gen) in enumerate(segs):
-      if gen and open_tag in text and hop < len(q.meta["relations"]):
-        cut = text.index(open_tag) + len(open_tag)
-        ids, _ = encode_segments(a.encode, segs[:i] + [(text[:cut], True)], a.bos_id)
-        rows.append(ids)
-        rels.append(q.meta["relations"][hop])
-        hop += 1
-  n, width = len(rows), max(len(r) for r in rows)
-  tokens = np.zeros((n, width), np.int32)
-  last = np.asarray([len(r) - 1 for r in rows], np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
-  cand = np.asarray([verbs[r] for r in rels], np.int32)  # [n, W]
-  model = nnx.merge(run.graphdef, params)
-
-  @jax.jit
-  def probs(tok, pos_last, cand):
-    positions = jnp.broadcast_to(jnp.arange(tok.shape[1]), tok.shape)
-    out = model.forward(tok, positions=positions, segment_ids=jnp.ones_like(tok),
-                        compute_logits=False)
-    h = jnp.take_along_axis(out["hidden"], pos_last[:, None, None], axis=1)[:, 0]
-    logp = jax.nn.log_softmax(model.logits(h).astype(jnp.float32))
-    own = jnp.take_along_axis(logp, cand, axis=1)
-    return jax.nn.softmax(own, axis=1)[:, 0]
-
-  out = []
-  for i in range(0, n, chunk):
-    sl = slice(i, i + chunk)
-    pad = chunk - len(tokens[sl])
-    got = probs(np.pad(tokens[sl], ((0, pad), (0, 0))), np.pad(last[sl], (0, pad)),
-                np.pad(cand[sl], ((0, pad), (0, 0))))
-    out.append(np.asarray(got)[:chunk - pad])
-  p = np.concatenate(out)
-  by = {}
-  for r, v in zip(rels, p):
-    by.setdefault(r, []).append(float(v))
-  return {r: float(np.mean(v)) for r, v in sorted(by.items())}
+  return probs(run.graphdef, params, run.assets, examples, chunk)
 
 
 def independence_part(c) -> dict:

@@ -183,11 +183,10 @@ def test_wording_use_reads_the_policys_queries(world):
 
 
 def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
-  """world_check's smooth lesson measure: one probability per lesson the held-out questions
+  """The smooth lesson measure (`diagnostics.lesson_choice_probs`, world_check's independence
+  part): one probability per lesson the held-out questions
   need, in (0, 1), the same in any batch size (padding never leaks into a row), and read off
   the model (a change to one fact verb's embedding changes that lesson's value)."""
-  import importlib.util
-
   import jax
   import jax.numpy as jnp
 
@@ -195,10 +194,7 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   import mhqa
 
   from trace_jax import train as T
-  spec = importlib.util.spec_from_file_location("world_check_mod",
-                                                os.path.join(ROOT, "launch", "world_check.py"))
-  wc = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(wc)
+  from trace_jax.diagnostics import lesson_choice_probs
 
   c = mhqa.get_config("smoke")
   c.world.kind = "lessons"
@@ -206,10 +202,13 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   c.sft.steps, c.sft.num_traces = 3, 64
   c.eval.size, c.rollout.num_pages = 4, 256
   c.workdir = str(tmp_path / "run")
-  run = T.build(wc._typed(c))
+  run = T.build(mhqa.validate(c))
   test = run.assets.world.test[:12]
-  a = wc.lesson_choice_probs(run, run.init_params, test)
-  b = wc.lesson_choice_probs(run, run.init_params, test, chunk=5)
+
+  def probs(params, chunk=64):
+    return lesson_choice_probs(run.graphdef, params, run.assets, test, chunk)
+
+  a, b = probs(run.init_params), probs(run.init_params, chunk=5)
   needed = {r for q in test for r in q.meta["relations"]}
   assert set(a) == needed and set(b) == needed
   assert all(0.0 < v < 1.0 for v in a.values())
@@ -223,5 +222,5 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
     emb.value = emb.value.at[fact].multiply(8.0)
   else:
     params["embed_tokens"] = emb.at[fact].multiply(8.0)
-  changed = wc.lesson_choice_probs(run, params, test)
+  changed = probs(params)
   assert abs(changed[r] - a[r]) > 1e-3
