@@ -46,13 +46,7 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilat
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
 _OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
 
-COMPILES = {"n": 0, "s": 0.0}  # XLA backend compilations seen so far, and their seconds
-
-
-def _on_duration(event, duration, **_):
-  if event == "/jax/core/compile/backend_compile_duration":
-    COMPILES["n"] += 1
-    COMPILES["s"] += float(duration)
+_COMPILES = None  # trace_jax.diagnostics.CompileCounter, started in main
 
 
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
@@ -70,12 +64,12 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   state = train.probe_warm_start(run, train.init_state(run))
   recs, compiles, compile_s = [], [], []
   for _ in range(warmup + steps):
-    n0, s0 = COMPILES["n"], COMPILES["s"]
+    n0, s0 = _COMPILES.n, _COMPILES.s
     sample, rec = train.sample_step(run, state)
     state, rec = train.update_step(run, state, sample, rec)
     recs.append(rec)
-    compiles.append(COMPILES["n"] - n0)
-    compile_s.append(round(COMPILES["s"] - s0, 2))
+    compiles.append(_COMPILES.n - n0)
+    compile_s.append(round(_COMPILES.s - s0, 2))
   recs = recs[warmup:]
 
   def med(key):
@@ -101,8 +95,9 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
 
 def main(argv):
   del argv
-  import jax
-  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+  global _COMPILES
+  from trace_jax.diagnostics import CompileCounter
+  _COMPILES = CompileCounter().start()
   rows = []
   for setting in _SETTINGS.value.split(","):
     method, stage2, *rest = setting.split(":")

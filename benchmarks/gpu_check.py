@@ -63,20 +63,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from trace_jax import kernels as ta  # noqa: E402
+from trace_jax.diagnostics import CompileCounter  # noqa: E402
 from trace_jax.kernels import gpu as gpu_kernel  # noqa: E402  (block-size constants, pltriton)
 
-COMPILES = {"n": 0, "s": 0.0}
 H200_NOMINAL_GBPS = 4800.0
-
-
-def _on_duration(event, duration, **_):
-  if event == "/jax/core/compile/backend_compile_duration":
-    COMPILES["n"] += 1
-    COMPILES["s"] += float(duration)
-
-
+COMPILES = CompileCounter()  # XLA compilations (n) and their seconds (s), all script long
 try:
-  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+  COMPILES.start()
 except Exception:  # pragma: no cover - only counts compiles
   pass
 
@@ -109,7 +102,7 @@ def _err(e: BaseException) -> dict:
 
 def run_section(res: Results, name: str, fn, *args) -> None:
   out = res.data.setdefault(name, {})
-  c0, s0, t0 = COMPILES["n"], COMPILES["s"], time.perf_counter()
+  c0, s0, t0 = COMPILES.n, COMPILES.s, time.perf_counter()
   log(f"== {name}")
   try:
     fn(out, res, *args)
@@ -117,8 +110,8 @@ def run_section(res: Results, name: str, fn, *args) -> None:
     out.update(_err(e))
     log(f"{name} FAILED: {out['error']}")
   out["wall_s"] = round(time.perf_counter() - t0, 2)
-  out["compiles"] = COMPILES["n"] - c0
-  out["compile_s"] = round(COMPILES["s"] - s0, 2)
+  out["compiles"] = COMPILES.n - c0
+  out["compile_s"] = round(COMPILES.s - s0, 2)
   res.save()
   log(f"{name} done in {out['wall_s']:.1f}s ({out['compiles']} compiles, {out['compile_s']:.1f}s)")
 
@@ -539,7 +532,7 @@ def section_sampler(out, res, args):
     log(f"  {out['fallback']}")
   out["attention_impl_used"] = ta.resolve_impl("auto")
   # (a) The engine end to end, tiny model (f32, head_dim 32), 32 slots, tree attention on vs off.
-  t0, c0 = time.perf_counter(), COMPILES["n"]
+  t0, c0 = time.perf_counter(), COMPILES.n
   try:
     graphdef, state = nnx.split(Qwen3(bs.MODELS["tiny"], rngs=nnx.Rngs(0)))
     r = bs.engine_throughput(graphdef, state, args.quick)
@@ -552,7 +545,7 @@ def section_sampler(out, res, args):
     out["tiny_engine"] = _err(e)
     log(f"  tiny engine ERROR {out['tiny_engine']['error'][:300]}")
   out["tiny_engine"]["wall_s"] = round(time.perf_counter() - t0, 2)
-  out["tiny_engine"]["compiles"] = COMPILES["n"] - c0
+  out["tiny_engine"]["compiles"] = COMPILES.n - c0
   res.save()
 
   # (b) Shared prefix vs duplicated prefix on a bigger random-weight bf16 model.
@@ -580,7 +573,7 @@ def section_sampler(out, res, args):
       rows.append({"prefix": prefix, "branches": branches, "skipped": "time budget"})
       res.save()
       continue
-    t0, c0 = time.perf_counter(), COMPILES["n"]
+    t0, c0 = time.perf_counter(), COMPILES.n
     try:
       row = bs.sharing_case(graphdef, state, prefix, branches, gen, 2, ("tree", "dup"))
       log(f"  model h{mcfg.hidden_size} l{mcfg.num_layers} prefix {prefix:5d} x {branches:2d}: "
@@ -590,7 +583,7 @@ def section_sampler(out, res, args):
       row = {"prefix": prefix, "branches": branches, **_err(e)}
       log(f"  sharing {prefix} x {branches} ERROR {row['error'][:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 2)
-    row["compiles"] = COMPILES["n"] - c0
+    row["compiles"] = COMPILES.n - c0
     rows.append(row)
     res.save()
 
@@ -776,8 +769,8 @@ def summary(data) -> list[str]:
   elif u:
     lines.append(f"update: {u.get('error', 'not finished')[:200]}")
   lines.append(f"total {data.get('total_wall_s', elapsed()):.0f}s, "
-               f"{data.get('total_compiles', COMPILES['n'])} compiles "
-               f"({data.get('total_compile_s', COMPILES['s']):.0f}s)")
+               f"{data.get('total_compiles', COMPILES.n)} compiles "
+               f"({data.get('total_compile_s', COMPILES.s):.0f}s)")
   return lines
 
 
@@ -815,8 +808,8 @@ def main():
     res.data["plot"] = png if plot(res.data, png) else None
   except Exception as e:  # noqa: BLE001
     res.data["plot_error"] = _err(e)["error"]
-  res.data.update(total_wall_s=round(elapsed(), 1), total_compiles=COMPILES["n"],
-                  total_compile_s=round(COMPILES["s"], 1))
+  res.data.update(total_wall_s=round(elapsed(), 1), total_compiles=COMPILES.n,
+                  total_compile_s=round(COMPILES.s, 1))
   res.data["summary"] = summary(res.data)
   res.save()
   faulthandler.cancel_dump_traceback_later()

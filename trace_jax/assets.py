@@ -488,8 +488,12 @@ def warm_start_sample_sha1(c, assets: Assets, n: int = 64) -> str:
   """Fingerprint of the first `n` warm-start traces as packed token rows: changes with the
   expert's code, the world and the tokenizer's vocabulary; a fraction of a second to compute."""
   _, packed = warm_start_data(c, assets, num_traces=n)
-  return fingerprint(*(packed[k] for k in sorted(packed) if isinstance(packed[k], np.ndarray)),
-                     np.asarray([assets.vocab_size]))
+  return fingerprint(*_packed_arrays(packed), np.asarray([assets.vocab_size]))
+
+
+def _packed_arrays(packed: dict) -> list:
+  """The array fields of packed warm-start rows, in name order (what their fingerprints hash)."""
+  return [packed[k] for k in sorted(packed) if isinstance(packed[k], np.ndarray)]
 
 
 def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
@@ -507,8 +511,7 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
               traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
                                       (seg[0], str(int(seg[1])))),
               sft_rows=int(packed["tokens"].shape[0]),
-              sft_data=fingerprint(*(packed[k] for k in sorted(packed)
-                                     if isinstance(packed[k], np.ndarray))))
+              sft_data=fingerprint(*_packed_arrays(packed)))
 
 
 def warm_start(c, assets: Assets, graphdef, params, log_fn=None):

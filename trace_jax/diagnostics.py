@@ -202,13 +202,12 @@ def lesson_choice_probs(graphdef, params, assets, examples, chunk: int = 64) -> 
   among the relation's own verbs}, read at the first query word of each search of the oracle's
   trace (teacher-forced: the prefix is the oracle's, so every hop is measured whatever the policy
   would have done before it). A smooth measure of each lesson, unlike the fact-verb share of
-  greedy searches, which flips wholesale when a lesson near one half moves a little."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
+  greedy searches, which flips wholesale when a lesson near one half moves a little. The final
+  states come from the sampler's prompt-feature forward (`engine_ops.make_feature_step`), in
+  rows of `chunk`."""
   from trace_jax.envs.synthetic import oracle_world
   from trace_jax.envs.synthetic_traces import expert_trace, trace_segments
+  from trace_jax.sampling.engine_ops import make_feature_step
   from trace_jax.sft import encode_segments
 
   a, world = assets, assets.world
@@ -236,32 +235,59 @@ def lesson_choice_probs(graphdef, params, assets, examples, chunk: int = 64) -> 
         rels.append(q.meta["relations"][hop])
         hop += 1
   n, width = len(rows), max(len(r) for r in rows)
-  tokens = np.zeros((n, width), np.int32)
-  last = np.asarray([len(r) - 1 for r in rows], np.int32)
+  tokens = np.zeros((n + -n % chunk, width), np.int32)  # whole chunks: one compilation
+  lens = np.ones(len(tokens), np.int32)
   for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
-  cand = np.asarray([verbs[r] for r in rels], np.int32)  # [n, W]
-  model = nnx.merge(graphdef, params)
-
-  @jax.jit
-  def probs(tok, pos_last, cand):
-    positions = jnp.broadcast_to(jnp.arange(tok.shape[1]), tok.shape)
-    out = model.forward(tok, positions=positions, segment_ids=jnp.ones_like(tok),
-                        compute_logits=False)
-    h = jnp.take_along_axis(out["hidden"], pos_last[:, None, None], axis=1)[:, 0]
-    logp = jax.nn.log_softmax(model.logits(h).astype(jnp.float32))
-    own = jnp.take_along_axis(logp, cand, axis=1)
-    return jax.nn.softmax(own, axis=1)[:, 0]
-
-  out = []
-  for i in range(0, n, chunk):
-    sl = slice(i, i + chunk)
-    pad = chunk - len(tokens[sl])
-    got = probs(np.pad(tokens[sl], ((0, pad), (0, 0))), np.pad(last[sl], (0, pad)),
-                np.pad(cand[sl], ((0, pad), (0, 0))))
-    out.append(np.asarray(got)[:chunk - pad])
-  p = np.concatenate(out)
+    tokens[i, :len(r)], lens[i] = r, len(r)
+  final_state = make_feature_step(graphdef)
+  hidden = np.concatenate([np.asarray(final_state(params, tokens[i:i + chunk], lens[i:i + chunk]))
+                           for i in range(0, len(tokens), chunk)])[:n]
+  cand = np.asarray([verbs[r] for r in rels], np.int32)  # [n, W]: the fact verb first
+  p = _choice_probs(graphdef, params, hidden, cand)
   by = {}
   for r, v in zip(rels, p):
     by.setdefault(r, []).append(float(v))
   return {r: float(np.mean(v)) for r, v in sorted(by.items())}
+
+
+def _choice_probs(graphdef, params, hidden, cand) -> np.ndarray:
+  """Softmax over each row's candidate tokens `cand` (i32[n, W]) of the next-token logits from
+  final states `hidden` (f32[n, D]); the first candidate's probability per row."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  logits = nnx.merge(graphdef, params).logits(jnp.asarray(hidden))
+  own = jnp.take_along_axis(logits.astype(jnp.float32), jnp.asarray(cand), axis=1)
+  return np.asarray(jax.nn.softmax(own, axis=1)[:, 0])
+
+
+class CompileCounter:
+  """XLA backend compilations seen while it is registered (`n`) and their seconds (`s`): for
+  benchmarks that report what each step compiles. `with CompileCounter() as cc: ...`, or
+  `start()` once for a whole script."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.n, self.s = 0, 0.0
+
+  def _on(self, event, duration, **_):
+    if event == self.EVENT:
+      self.n += 1
+      self.s += float(duration)
+
+  def start(self) -> "CompileCounter":
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+    return self
+
+  def stop(self) -> None:
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self._on)
+
+  def __enter__(self):
+    return self.start()
+
+  def __exit__(self, *exc):
+    self.stop()

@@ -198,7 +198,7 @@ class SamplerEngine:
     # One prefill for everything (sampling, observations, scoring a pool with keep): it also
     # returns each row's final states, read only when a scoring job asks, so scoring compiles
     # nothing that sampling does not.
-    self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout, True)
+    self._prefill = engine_ops.make_prefill_step(model_graphdef, self.layout)
     self._copy = make_copy_pages(self.layout)
     self._features = engine_ops.make_feature_step(model_graphdef, self.layout,
                                                   cfg.prompt_mean_features)
@@ -506,8 +506,7 @@ class SamplerEngine:
           shard = self.alloc.shard_of(kept[0][0])
           # On a mesh the pages fix the tree's shard; a shard already fuller than the emptiest
           # by more than this tree prefills it afresh there instead (balance over one prefill).
-          shard_load = lambda d: min(v for c, v in load.items() if c[1] == d)  # noqa: E731
-          if shard_load(shard) - min(load.values()) <= count:
+          if min(v for c, v in load.items() if c[1] == shard) - min(load.values()) <= count:
             del self._kept[tuple(ids)]
             st.kv[0] = kept
             st.page_refs.append(kept[0])

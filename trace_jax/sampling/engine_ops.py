@@ -239,12 +239,12 @@ def _prefill_local(q, k, v, kp, vp, table, start, num_new, offset):
 
 
 @functools.lru_cache(maxsize=16)
-def make_prefill_step(graphdef, layout: PoolLayout | None = None, with_features: bool = False):
+def make_prefill_step(graphdef, layout: PoolLayout | None = None):
   """Builds the jitted chunked prefill (cached per model graph): writes row chunks into pages.
 
-  step(state, pool, batch) -> pool (with_features: (pool, last f32[B, D], total f32[B, D]), the
-  final hidden state at each row's last real token of the chunk and its sum over the chunk's
-  real tokens: a prompt prefilled whole yields its predictor features with its K/V) with batch:
+  step(state, pool, batch) -> (pool, last f32[B, D], total f32[B, D]): the final hidden state at
+  each row's last real token of the chunk and its sum over the chunk's real tokens (a prompt
+  prefilled whole yields its predictor features with its K/V), with batch:
     tokens i32[B, C] (right padded), table i32[B, Pt], start i32[B] (tokens already written),
     num_new i32[B] (real tokens in the chunk; 0 for an unused row).
   Positions are start + t. Padded tokens write to the null page. One compilation per (B, C, Pt).
@@ -279,8 +279,6 @@ def make_prefill_step(graphdef, layout: PoolLayout | None = None, with_features:
 
     hidden, _, auxs = model.run_layers(tokens, pos, attend)
     pool = {"k": [a[0] for a in auxs], "v": [a[1] for a in auxs]}
-    if not with_features:
-      return pool
     hidden = hidden.astype(jnp.float32)
     real = (jnp.arange(c)[None, :] < num_new[:, None]).astype(jnp.float32)[..., None]
     last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -288,11 +286,8 @@ def make_prefill_step(graphdef, layout: PoolLayout | None = None, with_features:
 
   if layout is None:
     return jax.jit(step, donate_argnums=(1,))
-  outs = layout.pool_sharding
-  if with_features:
-    outs = (layout.pool_sharding, layout.row_sharding, layout.row_sharding)
-  return jit_pool_fn(step, (None, layout.pool_sharding, layout.row_sharding),
-                     donate_argnums=(1,), out_shardings=outs)
+  return jit_pool_fn(step, (None, layout.pool_sharding, layout.row_sharding), donate_argnums=(1,),
+                     out_shardings=(layout.pool_sharding, layout.row_sharding, layout.row_sharding))
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,54 @@
+"""Prints a tool-task run's greedy held-out rollouts from its warm start, a few per template:
+where the function-calling record's "what the samples showed" comes from.
+
+  python projects/tool_tasks/show_samples.py --config=configs/fc.py --per_template=2
+
+Builds the config's run (its warm start trained, or restored from `world.cache_dir`), samples
+the first `--prompts` held-out problems greedily, and prints each template's first
+`--per_template` rollouts with their reward. The attempts v1-v3 of the record were read with
+this at their own commits (each commit's warm start).
+"""
+
+import os
+import sys
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, _ROOT)
+sys.path.append(os.path.join(_ROOT, "configs"))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "fc.py"),
+                                          "configs/<task>.py[:variant]")
+_PROMPTS = flags.DEFINE_integer("prompts", 40, "held-out problems sampled")
+_PER = flags.DEFINE_integer("per_template", 2, "rollouts printed per template")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/show_samples", "the run's scratch workdir")
+
+
+def main(argv):
+  del argv
+  import convert
+
+  from trace_jax import train as T
+  from trace_jax.evaluate import evaluate
+
+  c = _CONFIG.value
+  c.workdir = _WORKDIR.value
+  run = T.build(convert.to_train_config(c))
+  run.engine.update_params(T.policy_params(run.init_params, c.model.param_dtype))
+  examples = run.assets.test[:_PROMPTS.value]
+  res = evaluate(run.engine, examples, batch=len(examples), keep_trees=True)
+  shown = {}
+  for e, tree in zip(examples, res["trees"]):
+    group = (e.get("groups") or ["?"])[0]
+    if shown.get(group, 0) >= _PER.value:
+      continue
+    shown[group] = shown.get(group, 0) + 1
+    leaf = tree.leaves()[0]
+    text = run.assets.decode(tree.path_tokens(leaf.id)[0][len(e["prompt_ids"]):])
+    print(f"== {group} reward {leaf.reward} | {e['question']}\n{text}\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
