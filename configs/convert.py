@@ -233,8 +233,18 @@ def validate(c: TrainConfig) -> None:
   _choice(c, "task", TASKS)
   _choice(c, "world.kind", WORLD_KINDS)
   _choice(c, "sft.traces", SFT_TRACES)
-  if not 1 <= c.world.n_relations <= 32:
-    raise ValueError(f"world.n_relations={c.world.n_relations} must be in [1, 32]")
+  if not 1 <= c.world.n_relations + c.world.n_plain_relations <= 40 or c.world.n_relations < 1:
+    raise ValueError(f"world.n_relations={c.world.n_relations} (>= 1) and n_plain_relations="
+                     f"{c.world.n_plain_relations} must add up to at most 40")
+  if c.world.one_lesson_per_question != (c.world.n_plain_relations > 0):
+    raise ValueError("world.one_lesson_per_question and world.n_plain_relations > 0 go together "
+                     "(plain relations are a question's other hops)")
+  if c.world.balanced_test and not c.world.one_lesson_per_question:
+    raise ValueError("world.balanced_test needs world.one_lesson_per_question")
+  _choice(c, "world.expert_rate_spacing", ("linear", "log"))
+  if c.world.expert_rate_spacing == "log" and c.world.expert_rate_lo <= 0:
+    raise ValueError(f"world.expert_rate_lo={c.world.expert_rate_lo} must be > 0 with log spacing")
+  _at_least(c, "world.n_test", 1)
   _at_least(c, "world.n_wordings", 2, "(a fact verb and at least one decoy)")
   if c.world.zipf_exponent < 0:
     raise ValueError(f"world.zipf_exponent={c.world.zipf_exponent} must be >= 0")

@@ -51,11 +51,18 @@ def _base():
   # traps: the embedded world (two trap relations, one rule to learn); lessons: K independent
   # lessons with long-tailed frequency (trace_jax/envs/lessons_world.py; the `lessons` variant).
   c.world.kind = "traps"
-  c.world.n_relations = 24      # lessons world: K relations, each one lesson
-  c.world.n_wordings = 2        # query verbs per relation: the fact verb and W - 1 decoys
-  c.world.zipf_exponent = 0.8   # relation frequency 1 / rank^s
-  c.world.expert_rate_lo = 0.15  # the expert's fact-verb rate per relation: evenly spaced over
-  c.world.expert_rate_hi = 0.95  # [lo, hi], paired with relations independently of frequency
+  # The lessons world's shape (trace_jax/envs/lessons_world.py; projects/lessons/README.md says
+  # why these values: world v4).
+  c.world.n_relations = 32      # K lessons, each a relation with its own verbs
+  c.world.n_wordings = 2        # query verbs per lesson relation: the fact verb and W - 1 decoys
+  c.world.n_plain_relations = 4  # relations with nothing to learn (one verb, no decoy)
+  c.world.one_lesson_per_question = True  # one lesson hop per question, the others plain
+  c.world.zipf_exponent = 1.0   # lesson frequency in training 1 / rank^s
+  c.world.expert_rate_lo = 0.003  # the expert's fact-verb rate per lesson: evenly spaced over
+  c.world.expert_rate_hi = 0.9    # [lo, hi] (or its logarithm), paired with lessons
+  c.world.expert_rate_spacing = "log"  # independently of frequency
+  c.world.n_test = 512          # held-out questions ...
+  c.world.balanced_test = True  # ... n_test / K per lesson
 
   c.data = ml_collections.ConfigDict()    # real data (qwen3 variants)
   c.data.train_path = ""    # local file in any supported format (trace_jax.data.load_qa)

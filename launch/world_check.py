@@ -94,7 +94,7 @@ def world_parts(c, parts) -> dict:
     test_n = dict(train_n)
     for split, counts in ((world.train, train_n), (world.test, test_n)):
       for e in split:
-        for r in set(e.meta["relations"]):
+        for r in set(e.meta["relations"]) & set(world.lessons):
           counts[r] += 1
     out["lessons"] = {r: dict(weight=v["weight"], expert_rate=v["expert_rate"],
                               train_questions=train_n[r], test_questions=test_n[r])

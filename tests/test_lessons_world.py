@@ -55,7 +55,8 @@ def test_oracle_answers_every_question_and_decoys_mislead(world):
                                              world.relations)
         assert found != o
         misled += was_misleading
-  assert misled > 0.9 * sum(len(e.meta["relations"]) for e in world.test[:40]) * (
+  lesson_hops = sum(r in world.lessons for e in world.test[:40] for r in e.meta["relations"])
+  assert misled > 0.9 * lesson_hops * (
       world.config.n_wordings - 1)
 
 
@@ -68,14 +69,28 @@ def test_no_name_ceiling_and_heldout_is_new(world):
 
 def test_lessons_are_independent_words(world):
   verbs = collections.Counter()
+  plain = [r for r in world.relations if r not in world.lessons]
+  assert len(plain) == world.config.n_plain_relations > 0
   for name, rel in world.relations.items():
-    lesson = world.lessons[name]
-    own = [lesson["fact_verb"], *lesson["decoy_verbs"]]
-    assert len(own) == world.config.n_wordings
+    if name in plain:  # one verb, no decoy
+      own = [rel.query_passage.split()[0]]
+      assert not rel.decoys and own[0] in rel.fact
+    else:
+      lesson = world.lessons[name]
+      own = [lesson["fact_verb"], *lesson["decoy_verbs"]]
+      assert len(own) == world.config.n_wordings
+      assert lesson["fact_verb"] in rel.fact
+      assert rel.query_passage.startswith(lesson["fact_verb"])
+    assert rel.noun not in own
     verbs.update(own)
-    assert rel.noun not in own and lesson["fact_verb"] in rel.fact
-    assert rel.query_passage.startswith(lesson["fact_verb"])
   assert max(verbs.values()) == 1  # no verb shared between relations
+  # One lesson per question, at any hop.
+  positions = collections.Counter()
+  for e in world.train:
+    at = [i for i, r in enumerate(e.meta["relations"]) if r in world.lessons]
+    assert len(at) == 1
+    positions[at[0]] += 1
+  assert len(positions) >= 3
   nouns = [r.noun for r in world.relations.values()]
   assert len(set(nouns)) == len(nouns)
   # Every word of the world is a single token (names and verbs alike).
@@ -85,9 +100,14 @@ def test_lessons_are_independent_words(world):
 
 
 def test_frequency_long_tailed_and_expert_rates_followed(world):
-  counts = collections.Counter(r for e in world.train for r in e.meta["relations"])
+  counts = collections.Counter(r for e in world.train for r in e.meta["relations"]
+                               if r in world.lessons)
   ranked = sorted(counts.values(), reverse=True)
   assert ranked[0] > 5 * ranked[-1]
+  # Held-out questions are spread evenly over the lessons.
+  held = collections.Counter(r for e in world.test for r in e.meta["relations"]
+                             if r in world.lessons)
+  assert set(held.values()) == {world.config.n_test // world.config.n_relations}
   rates = [v["expert_rate"] for v in world.lessons.values()]
   lo, hi = world.config.expert_rate_range
   assert all(lo <= r <= hi for r in rates)
@@ -98,7 +118,9 @@ def test_frequency_long_tailed_and_expert_rates_followed(world):
     for s in expert_trace(world, world.train[int(i)], rng).meta["searches"]:
       used[s["relation"]].append(s["wording"] == "passage")
   for r, v in used.items():
-    if len(v) >= 100:
+    if r not in world.lessons:  # a plain relation: its one verb, always
+      assert all(v), r
+    elif len(v) >= 100:
       p = world.lessons[r]["expert_rate"]
       assert abs(np.mean(v) - p) < 4 * np.sqrt(p * (1 - p) / len(v)) + 0.01, r
 
@@ -138,8 +160,9 @@ def test_world_check_world_parts(tmp_path):
   assert res.returncode == 0, res.stdout[-3000:]
   d = json.loads(out.read_text())
   assert d["oracle_em"] == 1.0 and d["heldout_names_seen"] == 1.0
-  assert len(d["lessons"]) == 24 and d["n_test"] > 400
-  assert sum(v["train_questions"] for v in d["lessons"].values()) >= d["n_train"]
+  assert len(d["lessons"]) == 32 and d["n_test"] == 512
+  # One lesson per question: the lessons' train questions add up to the train set.
+  assert sum(v["train_questions"] for v in d["lessons"].values()) == d["n_train"]
 
 
 def test_two_methods_train_on_the_lessons_world(tmp_path):
@@ -203,13 +226,13 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   c.eval.size, c.rollout.num_pages = 4, 256
   c.workdir = str(tmp_path / "run")
   run = T.build(mhqa.validate(c))
-  test = run.assets.world.test[:12]
+  test = run.assets.world.test[::40][:12]  # held-out questions are grouped by lesson
 
   def probs(params, chunk=64):
     return lesson_choice_probs(run.graphdef, params, run.assets, test, chunk)
 
   a, b = probs(run.init_params), probs(run.init_params, chunk=5)
-  needed = {r for q in test for r in q.meta["relations"]}
+  needed = {r for q in test for r in q.meta["relations"] if r in run.assets.world.lessons}
   assert set(a) == needed and set(b) == needed
   assert all(0.0 < v < 1.0 for v in a.values())
   np.testing.assert_allclose([a[r] for r in sorted(a)], [b[r] for r in sorted(b)], atol=1e-5)

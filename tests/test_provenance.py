@@ -51,8 +51,8 @@ def test_tree_fingerprint():
 WORLD_DATA = {
     None: {"world": "80a8526a707a", "traces": "85158aced3fe", "sft_rows": 1117,
            "sft_data": "63063f8e85f1"},
-    "lessons": {"world": "9a1cd657c8a8", "traces": "89473615f5d5", "sft_rows": 781,
-                "sft_data": "bd3b37a0b613"},
+    "lessons": {"world": "a12167acf8c5", "traces": "9620f9b1c555", "sft_rows": 746,
+                "sft_data": "200cc7587eb4"},
     "math": {"world": "249bc5eb0bed", "traces": "e9b787b640dd", "sft_rows": 666,
              "sft_data": "6496dd637d09"},
     "fc": {"world": "0f8943b05802", "traces": "2ff2fa2f57d0", "sft_rows": 879,

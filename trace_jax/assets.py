@@ -259,7 +259,9 @@ def lessons_world_config(c):
   w = c.world
   return LessonsWorldConfig(
       seed=w.seed, n_relations=w.n_relations, n_wordings=w.n_wordings,
+      n_plain_relations=w.n_plain_relations, one_lesson_per_question=w.one_lesson_per_question,
       zipf_exponent=w.zipf_exponent, expert_rate_range=(w.expert_rate_lo, w.expert_rate_hi),
+      expert_rate_spacing=w.expert_rate_spacing, n_test=w.n_test, balanced_test=w.balanced_test,
       topk=c.retriever.topk, max_turns=c.env.max_turns)
 
 
@@ -292,7 +294,7 @@ def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> lis
     ex = _example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question), hops=e.hops,
                   meta=e.meta)
     if world.lessons:  # the lessons a question needs: held-out EM is reported per lesson
-      ex["groups"] = sorted(set(e.meta["relations"]))
+      ex["groups"] = sorted(set(e.meta["relations"]) & set(world.lessons))
     out.append(ex if seen is None else dict(ex, entity_seen=e.meta["chain"][0] in seen))
   return out
 

@@ -42,11 +42,16 @@ class WorldSection:
   trap_rate: float
   kind: str = "traps"  # WORLD_KINDS
   # The lessons world (`envs.lessons_world.LessonsWorldConfig`).
-  n_relations: int = 24
+  n_relations: int = 32
   n_wordings: int = 2
-  zipf_exponent: float = 0.8
-  expert_rate_lo: float = 0.15
-  expert_rate_hi: float = 0.95
+  n_plain_relations: int = 4
+  one_lesson_per_question: bool = True
+  zipf_exponent: float = 1.0
+  expert_rate_lo: float = 0.003
+  expert_rate_hi: float = 0.9
+  expert_rate_spacing: str = "log"
+  n_test: int = 512
+  balanced_test: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,11 +229,14 @@ def lesson_choice_probs(graphdef, params, assets, examples, chunk: int = 64) -> 
     hop = 0
     for i, (text, gen) in enumerate(segs):
       if gen and open_tag in text and hop < len(q.meta["relations"]):
+        relation = q.meta["relations"][hop]
+        hop += 1
+        if relation not in verbs:  # a plain hop: nothing to choose
+          continue
         cut = text.index(open_tag) + len(open_tag)
         ids, _ = encode_segments(a.encode, segs[:i] + [(text[:cut], True)], a.bos_id)
         rows.append(ids)
-        rels.append(q.meta["relations"][hop])
-        hop += 1
+        rels.append(relation)
   n, width = len(rows), max(len(r) for r in rows)
   tokens = np.zeros((n + -n % chunk, width), np.int32)  # whole chunks: one compilation
   lens = np.ones(len(tokens), np.int32)

@@ -46,7 +46,8 @@ ENTITY_TYPE = "entity"
 NOUNS = ("mentor", "rival", "patron", "heir", "ally", "sponsor", "tutor", "partner", "deputy",
          "successor", "guardian", "advisor", "critic", "neighbor", "student", "envoy", "agent",
          "backer", "steward", "herald", "warden", "scribe", "healer", "captain", "keeper",
-         "trainer", "broker", "courier", "editor", "judge", "pilot", "singer")
+         "trainer", "broker", "courier", "editor", "judge", "pilot", "singer", "ranger", "mayor",
+         "archer", "bishop", "porter", "sheriff", "tailor", "vendor")
 
 
 def _make_verbs(n: int, taken: set, rng: np.random.Generator) -> list[str]:
@@ -62,21 +63,29 @@ def _make_verbs(n: int, taken: set, rng: np.random.Generator) -> list[str]:
 
 
 def lesson_relations(cfg: LessonsWorldConfig, names: set, rng) -> tuple[dict, dict]:
-  """The K relations (`Relation` with `decoys`) and per relation its lesson facts: `weight`
-  (question frequency), `expert_rate`, `fact_verb` and `decoy_verbs`."""
-  k, w = cfg.n_relations, cfg.n_wordings
+  """The K lesson relations (`Relation` with `decoys`), then the plain ones (one verb, no decoy),
+  and per lesson relation its lesson facts: `weight` (question frequency), `expert_rate`,
+  `fact_verb` and `decoy_verbs`."""
+  k, w, n_plain = cfg.n_relations, cfg.n_wordings, cfg.n_plain_relations
   if not 1 <= k <= len(NOUNS):
     raise ValueError(f"n_relations must be in [1, {len(NOUNS)}], got {k}")
+  if not 0 <= n_plain <= len(NOUNS) - k:
+    raise ValueError(f"n_plain_relations must be in [0, {len(NOUNS) - k}] with n_relations={k}, "
+                     f"got {n_plain}")
+  if cfg.one_lesson_per_question != (n_plain > 0):
+    raise ValueError("one_lesson_per_question and n_plain_relations > 0 go together (plain "
+                     f"relations are the other hops), got {cfg.one_lesson_per_question} and "
+                     f"{n_plain}")
   if w < 2:
     raise ValueError(f"n_wordings must be >= 2 (a fact verb and a decoy), got {w}")
   lo, hi = cfg.expert_rate_range
   if not 0.0 <= lo <= hi <= 1.0:
     raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
-  verbs = _make_verbs(k * w, names, rng)
+  verbs = _make_verbs(k * w + n_plain, names, rng)
   ranks = rng.permutation(k)
   # Stratified: every world has the same spread of difficulty, and only its pairing with
   # frequency (drawn independently) differs between seeds.
-  rates = stratified_rates(rng, k, lo, hi)
+  rates = stratified_rates(rng, k, lo, hi, cfg.expert_rate_spacing)
   relations, lessons = {}, {}
   for i in range(k):
     own = verbs[i * w:(i + 1) * w]
@@ -91,22 +100,47 @@ def lesson_relations(cfg: LessonsWorldConfig, names: set, rng) -> tuple[dict, di
     lessons[name] = dict(weight=float(1.0 / (ranks[i] + 1) ** cfg.zipf_exponent),
                          expert_rate=float(rates[i]), fact_verb=fact_verb,
                          decoy_verbs=list(decoys))
+  for i in range(n_plain):
+    verb, name = verbs[k * w + i], f"p{i:02d}_{NOUNS[k + i]}"
+    relations[name] = Relation(
+        name=name, subject_type=ENTITY_TYPE, object_type=ENTITY_TYPE, fact=f"{{o}} {verb} {{s}} .",
+        noun=NOUNS[k + i], query_passage=f"{verb} {{x}}", on_object_side=True, decoys=())
   return relations, lessons
 
 
 def _assign_facts(cfg, names, relations, lessons, rng) -> dict:
-  rel_names = list(relations)
+  """Every entity is the subject of `out_degree` lesson relations (drawn by frequency; evenly
+  with `one_lesson_per_question`, where the question sampler sets the frequency, so rare lessons
+  still have subjects) and of every plain relation."""
+  rel_names = list(lessons)
   weights = np.asarray([lessons[r]["weight"] for r in rel_names])
+  if cfg.one_lesson_per_question:
+    weights = np.ones_like(weights)
   weights = weights / weights.sum()
-  facts = {r: {} for r in rel_names}
+  facts = {r: {} for r in relations}
   n = len(names)
+
+  def other(s):
+    o = names[int(rng.integers(n))]
+    while o == s:
+      o = names[int(rng.integers(n))]
+    return o
+
   for s in names:
     d = int(rng.choice(cfg.out_degree))
     for ri in rng.choice(len(rel_names), size=min(d, len(rel_names)), replace=False, p=weights):
-      o = names[int(rng.integers(n))]
-      while o == s:
-        o = names[int(rng.integers(n))]
-      facts[rel_names[ri]][s] = o
+      facts[rel_names[ri]][s] = other(s)
+  # A plain relation is one-to-one: a query "verb X" then matches its fact and at most one other
+  # sentence (the one naming X as its object), so the fact is always among the top two passages
+  # (a many-to-one relation would let two sentences naming X as object outrank it on ties).
+  for r in relations:
+    if r not in lessons:
+      perm = rng.permutation(n)
+      for i in range(n):
+        if perm[i] == i:  # no entity is its own object
+          j = (i + 1) % n
+          perm[i], perm[j] = perm[j], perm[i]
+      facts[r] = {names[i]: names[int(perm[i])] for i in range(n)}
   return facts
 
 
@@ -118,6 +152,25 @@ def _sample_chain(start, n_hops, facts, weights, rng):
       return None
     p = np.asarray([weights[r] for r in options])
     r = options[int(rng.choice(len(options), p=p / p.sum()))]
+    relations.append(r)
+    current = facts[r][current]
+    chain.append(current)
+  return relations, chain
+
+
+def _sample_lesson_chain(start, n_hops, pos, lesson, facts, plain, rng):
+  """A chain of `n_hops` from `start` whose hop `pos` is relation `lesson` and every other hop a
+  plain relation (drawn evenly among those continuing the chain), or None."""
+  chain, relations, current = [start], [], start
+  for i in range(n_hops):
+    if i == pos:
+      options = [lesson] if current in facts[lesson] and facts[lesson][current] not in chain \
+          else []
+    else:
+      options = [r for r in plain if current in facts[r] and facts[r][current] not in chain]
+    if not options:
+      return None
+    r = options[int(rng.integers(len(options)))]
     relations.append(r)
     current = facts[r][current]
     chain.append(current)
@@ -149,33 +202,63 @@ def generate_lessons_world(cfg: Optional[LessonsWorldConfig] = None) -> World:
       twins[names[src]], twins[twin] = twin, names[src]
   relations, lessons = lesson_relations(cfg, taken, rng)
   facts = _assign_facts(cfg, names, relations, lessons, rng)
-  weights = {r: lessons[r]["weight"] for r in relations}
+  weights = {r: lessons[r]["weight"] for r in lessons}
 
   # Questions, then the split.
   hop_p = np.asarray(cfg.hop_weights, np.float64)
   hop_p = hop_p / hop_p.sum()
-  want = int(1.15 * (cfg.n_train + cfg.n_test))
-  questions, seen = [], set()
-  attempts = since_new = 0
-  while len(questions) < want and attempts < 40 * want and since_new < 2000:
-    attempts += 1
-    since_new += 1
-    n_hops = int(rng.choice(len(hop_p), p=hop_p)) + 1
-    start = names[int(rng.integers(len(names)))]
-    sampled = _sample_chain(start, n_hops, facts, weights, rng)
-    if sampled is None:
-      continue
-    rels, chain = sampled
-    q = question_text(start, rels, relations)
-    if q in seen:
-      continue
-    seen.add(q)
-    since_new = 0
-    questions.append((start, rels, chain, q))
-  order = rng.permutation(len(questions))
-  n_test_pool = int(round(len(questions) * cfg.n_test / (cfg.n_train + cfg.n_test)))
-  test_pool = [questions[i] for i in order[:n_test_pool]]
-  train_q = [questions[i] for i in order[n_test_pool:]][:cfg.n_train]
+  lesson_names = list(lessons)
+  plain = [r for r in relations if r not in lessons]
+  seen = set()
+
+  def draw(want, lesson_p, keep=lambda chain: True):
+    """Up to `want` new questions; with one lesson per question its relation is drawn from
+    `lesson_p` and its hop evenly."""
+    out, attempts, since_new = [], 0, 0
+    while len(out) < want and attempts < 400 * want and since_new < 20000:
+      attempts += 1
+      since_new += 1
+      n_hops = int(rng.choice(len(hop_p), p=hop_p)) + 1
+      start = names[int(rng.integers(len(names)))]
+      if cfg.one_lesson_per_question:
+        lesson = lesson_names[int(rng.choice(len(lesson_names), p=lesson_p))]
+        sampled = _sample_lesson_chain(start, n_hops, int(rng.integers(n_hops)), lesson, facts,
+                                       plain, rng)
+      else:
+        sampled = _sample_chain(start, n_hops, facts, weights, rng)
+      if sampled is None or not keep(sampled[1]):
+        continue
+      rels, chain = sampled
+      q = question_text(start, rels, relations)
+      if q in seen:
+        continue
+      seen.add(q)
+      since_new = 0
+      out.append((start, rels, chain, q))
+    return out
+
+  freq = np.asarray([weights[r] for r in lesson_names])
+  freq = freq / freq.sum()
+  if cfg.balanced_test:
+    if not cfg.one_lesson_per_question:
+      raise ValueError("balanced_test needs one_lesson_per_question (a question per lesson)")
+    # Train questions first (long-tailed); then held-out ones lesson by lesson, from names the
+    # train chains pass through (a few spare for the oracle's check).
+    train_q = draw(int(1.03 * cfg.n_train), freq)
+    train_names = {x for _, _, chain, _ in train_q for x in chain}
+    per = cfg.n_test // len(lesson_names)
+    test_pool = []
+    for j in range(len(lesson_names)):
+      one = np.eye(len(lesson_names))[j]
+      test_pool += draw(per + 2, one, keep=lambda chain: set(chain) <= train_names)
+  else:
+    want = int(1.15 * (cfg.n_train + cfg.n_test))
+    questions = draw(want, freq)
+    order = rng.permutation(len(questions))
+    n_test_pool = int(round(len(questions) * cfg.n_test / (cfg.n_train + cfg.n_test)))
+    test_pool = [questions[i] for i in order[:n_test_pool]]
+    train_q = [questions[i] for i in order[n_test_pool:]]
+  train_q = train_q[:cfg.n_train]
   corpus = _write_corpus(cfg, names, relations, facts, rng)
   world = World(cfg, {n: ENTITY_TYPE for n in names}, facts, corpus, [], [], twins, {},
                 relations=relations, lessons=lessons)
@@ -186,7 +269,12 @@ def generate_lessons_world(cfg: Optional[LessonsWorldConfig] = None) -> World:
   train_names = {x for _, _, chain, _ in train_kept for x in chain}
   named = [q for q in test_pool if set(q[2]) <= train_names]
   named_kept = keep(named)
-  test_kept = named_kept[:cfg.n_test]
+  if cfg.balanced_test:  # n_test / K of each lesson
+    per, test_kept = cfg.n_test // len(lesson_names), []
+    for r in lesson_names:
+      test_kept += [q for q in named_kept if r in q[1]][:per]
+  else:
+    test_kept = named_kept[:cfg.n_test]
   for split, qs in (("train", train_kept), ("test", test_kept)):
     out = [SyntheticQuestion(id=f"{split}-{i}", question=q, answers=[chain[-1]], hops=len(rels),
                              meta={"start": start, "relations": list(rels), "chain": list(chain),
@@ -196,7 +284,7 @@ def generate_lessons_world(cfg: Optional[LessonsWorldConfig] = None) -> World:
            for i, (start, rels, chain, q) in enumerate(qs)]
     setattr(world, split, out)
   world.generation = dict(
-      questions_sampled=len(questions), train_dropped_by_oracle=len(train_q) - len(train_kept),
+      questions_sampled=len(seen), train_dropped_by_oracle=len(train_q) - len(train_kept),
       test_dropped_for_unseen_names=len(test_pool) - len(named),
       test_dropped_by_oracle=len(named) - len(named_kept))
   return world

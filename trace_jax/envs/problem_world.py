@@ -11,12 +11,21 @@ from typing import Any, ClassVar
 import numpy as np
 
 
-def stratified_rates(rng: np.random.Generator, k: int, lo: float, hi: float) -> np.ndarray:
-  """k rates evenly spaced over [lo, hi] (cell midpoints) in a random order: every world gets the
-  same spread of difficulty, and only its pairing with templates (or relations) is drawn."""
+def stratified_rates(rng: np.random.Generator, k: int, lo: float, hi: float,
+                     spacing: str = "linear") -> np.ndarray:
+  """k rates evenly spaced over [lo, hi] (cell midpoints; `spacing="log"`: evenly over the
+  logarithm, lo > 0) in a random order: every world gets the same spread of difficulty, and only
+  its pairing with templates (or relations) is drawn."""
   if not 0.0 <= lo <= hi <= 1.0:
     raise ValueError(f"expert_rate_range must satisfy 0 <= lo <= hi <= 1, got {(lo, hi)}")
-  return lo + (hi - lo) * (rng.permutation(k) + 0.5) / k
+  cells = (rng.permutation(k) + 0.5) / k
+  if spacing == "linear":
+    return lo + (hi - lo) * cells
+  if spacing == "log":
+    if lo <= 0:
+      raise ValueError(f"log-spaced expert rates need lo > 0, got {lo}")
+    return np.exp(np.log(lo) + (np.log(hi) - np.log(lo)) * cells)
+  raise ValueError(f"spacing must be 'linear' or 'log', got {spacing!r}")
 
 
 @dataclasses.dataclass

@@ -137,8 +137,10 @@ def expert_trace(world: World, example: SyntheticQuestion, rng: np.random.Genera
         j = int(rng.integers(len(rel.decoys)))
         wording, query = f"decoy{j}", rel.decoys[j][0].format(x=subject)
     # A trap relation: the question's wording at trap_rate. Elsewhere both wordings work; both
-    # are used, so wording alone is not a tell.
-    elif rng.random() < (cfg.trap_rate if relation in cfg.trap_relations else 0.5):
+    # are used, so wording alone is not a tell. (A lessons world's plain relations, with
+    # passages that have no title, answer their verb only.)
+    elif not world.lessons and rng.random() < (
+        cfg.trap_rate if relation in cfg.trap_relations else 0.5):
       wording, query = "question", rel.question_query(subject)
     need = f"need {rel.noun} of {current}"
     think = f"{statement} . {need}" if statement else need

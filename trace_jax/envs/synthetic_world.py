@@ -74,20 +74,27 @@ class LessonsWorldConfig:
   kind: str = "lessons"
   seed: int = 0
   n_entities: int = 1200
-  n_relations: int = 24  # K lessons (at most len(NOUNS))
+  n_relations: int = 32  # K lessons (at most len(NOUNS) - n_plain_relations)
   n_wordings: int = 2  # W query verbs per relation: one fact verb, W - 1 decoys
-  zipf_exponent: float = 0.8  # relation weights 1 / rank^s, ranks in a seeded random order
-  # The expert's rate of the fact verb per relation: evenly spaced over this range, assigned to
-  # relations in a random order independent of frequency (the other W - 1 verbs share the rest).
-  # The range and the hop mix put the warm start's share of mixed groups in the regime
-  # launch/world_check.py checks (a first version, (0.05, 0.9) and (0, 0.4, 0.35, 0.25), left
-  # 14% of groups of 8 mixed: success needs every hop's lesson, and long chains of unlearned
-  # lessons almost never succeed).
-  expert_rate_range: tuple = (0.15, 0.95)
-  out_degree: tuple = (1, 2, 3)  # relations an entity is the subject of, drawn evenly
+  # Relations with one verb and no decoy: nothing to learn. With `one_lesson_per_question`
+  # every hop but one is plain, so a question holds exactly one lesson.
+  n_plain_relations: int = 4
+  one_lesson_per_question: bool = True
+  zipf_exponent: float = 1.0  # lesson weights 1 / rank^s, ranks in a seeded random order
+  # The expert's rate of the fact verb per lesson: evenly spaced over this range ("linear") or
+  # over its logarithm ("log"), assigned to lessons in a random order independent of frequency
+  # (the other W - 1 verbs share the rest). projects/lessons/README.md says why these values
+  # (world versions v1-v3 used linear spacing over (0.05, 0.8), (0.05, 0.9), (0.15, 0.95), a
+  # lesson at every hop and zipf 0.8).
+  expert_rate_range: tuple = (0.003, 0.9)
+  expert_rate_spacing: str = "log"
+  out_degree: tuple = (1, 2, 3)  # lesson relations an entity is the subject of, drawn evenly
   hop_weights: tuple = (0.0, 0.7, 0.2, 0.1)  # P(1 hop), ..., P(4 hops)
   n_train: int = 4000
-  n_test: int = 500
+  n_test: int = 512
+  # Held-out questions spread evenly over the lessons (n_test / K each), so held-out EM counts
+  # lessons learned, not mostly the frequent ones; training keeps the long tail.
+  balanced_test: bool = True
   near_duplicate_rate: float = 0.02  # share of names that are a one-letter twin of another
   topk: int = 2
   bm25_k1: float = 1.5
