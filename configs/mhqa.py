@@ -248,7 +248,7 @@ def get_config(arg: str | None = None):
     pass
   elif variant == "lessons":
     c.world.kind = "lessons"
-    c.eval.size = 500            # every held-out question: EM per lesson needs them all
+    c.eval.size = 512            # every held-out question: EM per lesson needs them all
     c.rl.steps = 200             # lessons are found over a long run (launch/world_check.py)
   elif variant in ("smoke", "real_smoke"):
     c.world.cache_dir = "cache/smoke"
