@@ -159,6 +159,11 @@ def _base():
   #                                  the prompts then sampled (each prompt prefilled once a step)
   c.rollout.stage2_deadline = 0.0  # stream: at most this share of stage-1 trees still running,
   #                                  the budget left is spent (0: by the last tree to finish)
+  # 1: the next step's stage-1 rollouts start in the slots this step's tail leaves idle, under
+  # this step's weights, and finish under the next ones (their log-probs are what they were
+  # sampled with; `staleness` per step). Not on steps that end in an evaluation or a checkpoint,
+  # so every checkpoint resumes exactly. 0: every step samples with its own weights only.
+  c.rollout.off_policy_steps = 0
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 30

@@ -379,3 +379,82 @@ def test_scoring_with_keep_falls_back_when_the_pool_is_full(model):
   assert 0 < engine.kept_prompts < len(pool)  # some kept, the rest scored the plain way
   engine.drop_kept()
   assert engine.alloc.num_free == 16 - engine.shards  # every page back (less the null page)
+
+
+def _tree_tokens(trees):
+  return [[(n.parent, tuple(n.gen_ids), tuple(n.obs_ids)) for n in t.nodes] for t in trees]
+
+
+def _same_logprobs(a, b):  # other rows in the batch move them at float rounding
+  x = np.concatenate([n.logprobs for t in a for n in t.nodes])
+  y = np.concatenate([n.logprobs for t in b for n in t.nodes])
+  return np.allclose(x, y, atol=1e-3)
+
+
+def test_rollouts_started_ahead_fill_idle_slots_and_are_adopted(model):
+  """`run(ahead=...)` starts the next step's rollouts in slots this run leaves idle, returns when
+  its own trees are done, and the next run adopts them: with the same weights every tree equals
+  a plain run's (rollouts draw their rng streams from (seed, tree uid, branch)), each run's ledger
+  is its own trees' cost, and no page leaks."""
+  from trace_jax.allocation.driver import _trees_cost
+
+  step1 = [PromptRequest(p, n=3, uid=10 + i) for i, p in enumerate(PROMPTS[:2])]
+  step2 = [PromptRequest(p, n=2, uid=20 + i) for i, p in enumerate(PROMPTS)]
+  plain = make_engine(model, num_slots=8)
+  ref1, ref2 = plain.run(step1), plain.run(step2)
+
+  engine = make_engine(model, num_slots=8)
+  free0 = engine.alloc.num_free
+  before = engine.ledger.as_dict()
+  a1 = engine.run(step1, ahead=step2)
+  assert _tree_tokens(a1) == _tree_tokens(ref1) and _same_logprobs(a1, ref1)
+  carried = engine.carried
+  assert [t.uid for t in carried] == [20, 21, 22]
+  # The ahead rollouts used the slots step 1 left idle (8 slots, 6 rollouts of step 1).
+  assert engine.ahead_ledger.rollouts_started >= 2
+  used = {k: v - before[k] for k, v in engine.ledger.as_dict().items()}
+  cost1 = _trees_cost(a1)
+  assert all(used[k] == cost1[k] for k in cost1), (used, cost1)
+  with pytest.raises(ValueError, match="adopt"):
+    engine.run([PromptRequest(PROMPTS[0], n=1)])
+  before = engine.ledger.as_dict()
+  a2 = engine.run([], adopt=True)
+  assert [t.uid for t in a2] == [20, 21, 22] and not engine.carried
+  assert _tree_tokens(a2) == _tree_tokens(ref2) and _same_logprobs(a2, ref2)
+  used = {k: v - before[k] for k, v in engine.ledger.as_dict().items()}
+  cost2 = _trees_cost(a2)
+  assert all(used[k] == cost2[k] for k in cost2), (used, cost2)
+  assert engine.ahead_ledger.as_dict() == {k: 0 for k in used}
+  engine.release(a1 + a2)
+  assert engine.alloc.num_free == free0 and not engine.alloc.refcount.any()
+
+
+def test_weights_swapped_under_carried_rollouts_and_dropped_ones_free_their_pages(model):
+  """Carried rollouts continue under new weights: the tokens generated before the swap are
+  counted as stale (`meta["stale_tokens"]`), the ones after it are the new weights' (so the
+  trees differ from a plain run's). Dropping carried trees frees every page and keeps their
+  cost in the ledger."""
+  step1 = [PromptRequest(PROMPTS[0], n=2, uid=1)]
+  step2 = [PromptRequest(p, n=3, uid=30 + i) for i, p in enumerate(PROMPTS)]
+  engine = make_engine(model, num_slots=8)
+  free0 = engine.alloc.num_free
+  t1 = engine.run(step1, ahead=step2)
+  generated = engine.ahead_ledger.generated_tokens
+  assert generated > 0
+  engine.update_params(jax.tree.map(lambda x: x * 0.9, model[1]))
+  stale = sum(t.meta["stale_tokens"] for t in engine.carried)
+  assert stale == generated
+  t2 = engine.run([], adopt=True)
+  assert all(t.meta["stale_tokens"] <= sum(len(n.gen_ids) for n in t.nodes) for t in t2)
+  assert sum(len(t.leaves()) for t in t2) == 9
+  engine.release(t1 + t2)
+  assert engine.alloc.num_free == free0
+
+  engine = make_engine(model, num_slots=8)
+  t1 = engine.run(step1, ahead=step2)
+  spent = engine.ahead_ledger.generated_tokens
+  before = engine.ledger.generated_tokens
+  engine.drop_carried()
+  assert engine.ledger.generated_tokens == before + spent and not engine.carried
+  engine.release(t1)
+  assert engine.alloc.num_free == free0 and not engine.alloc.refcount.any()

@@ -141,6 +141,7 @@ class RolloutSection:
   stage2: str
   stage2_deadline: float
   keep_pool_kv: bool
+  off_policy_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,6 +218,9 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> Run:
   hooks = hooks or Hooks()
   initialize()
   multi = jax.process_count() > 1
+  if multi and c.rollout.off_policy_steps:
+    raise ValueError("rollout.off_policy_steps=1 runs in one process (the engines of several "
+                     "processes would each carry rollouts between steps); set it to 0")
   workdir = _workdir(c)
   if multi and not c.workdir:  # the default name has a time stamp: the processes must agree
     workdir = broadcast_object(workdir)
@@ -495,7 +498,10 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
     run.driver.predict_spread = functools.partial(run.fitter.spread,
                                                   _host(state.train["pred_params"]))
   examples = step_examples(run, state.step)
-  sample = run.driver.sample(examples, use_predictor=use_pred)
+  ahead = (step_examples(run, state.step + 1)
+           if c.rollout.off_policy_steps and not drains(c, state.step) else None)
+  sample = run.driver.sample(examples, use_predictor=use_pred, ahead_examples=ahead,
+                             ahead_use_predictor=state.step + 1 >= c.rl.predictor_warmup_steps)
   tm = tree_metrics(sample.all_trees)
   rec = dict(effective_ratio=tm["effective_ratio"], reward_mean=tm["reward_mean"],
              leaves=tm["leaves"], nodes_per_tree=tm.get("nodes_per_tree", 0),
@@ -503,6 +509,14 @@ def sample_step(run: Run, state: LoopState) -> tuple[StepSample, dict]:
              **{k: v for k, v in sample.info.items() if isinstance(v, (int, float))})
   rec.update(run.assets.step_diagnostics(examples, sample.all_trees))
   return sample, rec
+
+
+def drains(c: TrainConfig, step: int) -> bool:
+  """Whether RL step `step` starts no rollouts ahead (`rollout.off_policy_steps`): the last step,
+  and every step after which the loop evaluates or checkpoints, so that nothing is in flight
+  there (a checkpoint then holds the whole state, and evaluation has the sampler to itself)."""
+  after = step + 1
+  return (after >= c.rl.steps or after % c.eval.every == 0 or after % c.ckpt.every == 0)
 
 
 def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None = None
@@ -786,15 +800,21 @@ def train(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> dict:
         rec = dict(rec, eval_em=state.evals[str(state.step)])
       check_divergence(run, state, rec)
       stop.agree()
+      if stop.requested and run.engine.carried:
+        break  # rollouts in flight for the next step: the last checkpoint is the exact one
       if state.step % c.ckpt.every == 0 or state.step == c.rl.steps or stop.requested:
         save(run, state)
     stop.agree()
     if stop.requested:
-      if run.ckpt.latest_step() != state.step:
+      if run.engine.carried:  # a checkpoint here would not hold them, so resume would differ
+        run.driver.drop_ahead()
+      elif run.ckpt.latest_step() != state.step:
         save(run, state)
       run.writer.close()
-      raise Preempted(f"{stop.requested}: checkpointed step {state.step} under "
-                      f"{run.ckpt.directory}; rerun the same command to resume")
+      last = run.ckpt.latest_step()
+      raise Preempted(f"{stop.requested}: " + (
+          f"checkpointed step {last} under {run.ckpt.directory}" if last is not None else
+          "no checkpoint yet") + "; rerun the same command to resume")
     summary = finish(run, state)
     run.writer.close()
     return summary

@@ -4,6 +4,8 @@
   duplicate record and a torn line planted in its metrics before the resume, as a `kill -9` between
   a step's metrics and its checkpoint leaves them) equals an uninterrupted 3-step run: the same
   metric records and bit-identical parameters and predictor.
+- With rollouts one step ahead (`rollout.off_policy_steps=1`) a stopped and resumed run equals
+  an uninterrupted one too, and each step's ledger holds its own budget.
 - SIGTERM on 8 simulated devices: the run checkpoints its step, exits 75, and the rerun resumes on
   the same multi-device host and finishes with each step recorded once.
 - lr=nan fails at the config's translation, before anything is built; a NaN loss on every update
@@ -24,7 +26,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from test_train_smoke import ROOT, launch, launch_env, smoke_args, smoke_run
+from test_train_smoke import (PREFIX_BUDGET, ROOT, ROOT_BUDGET, launch, launch_env, smoke_args,
+                              smoke_run)
 
 TIMING = ("seconds", "wall")
 
@@ -75,6 +78,32 @@ def test_resumed_run_equals_uninterrupted_run(run, tmp_path):
   for k in ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts", "prefill_tokens",
             "tool_calls", "predictor", "slot_utilization"):
     assert s_res[k] == s_whole[k], k
+
+
+@pytest.mark.slow
+def test_off_policy_run_resumes_exactly_and_keeps_its_budget(run, tmp_path):
+  """Rollouts one step ahead (`rollout.off_policy_steps=1`, streamed stage 2): steps 0 and 2
+  start the next step's stage-1 rollouts in their tails, steps 1 and 3 (followed by an evaluation
+  and a checkpoint) do not. A run stopped after step 2 and resumed to 4 equals an uninterrupted
+  4-step run, record for record and bit for bit; every step's ledger holds its own budget, and
+  the adopted steps record how many of their tokens the previous weights generated."""
+  extra = ("--config.rollout.off_policy_steps=1", "--config.rollout.stage2=stream",
+           "--config.eval.every=2", "--config.ckpt.every=2")
+  whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+  for workdir, steps in ((whole, 4), (part, 2), (part, 4)):
+    p = launch("train.py", *args_in(run, workdir, steps, *extra))
+    assert p.returncode == 0, p.stdout[-3000:]
+  assert "resumed at step 2" in p.stdout
+  recs = records(whole)
+  assert records(part) == recs
+  a, b = state_arrays(part, 4), state_arrays(whole, 4)
+  assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+  rl = {r["step"]: r for r in recs if "effective_ratio" in r}
+  assert sorted(rl) == [1, 2, 3, 4]
+  assert all(r["ledger_rollouts_started"] == ROOT_BUDGET + PREFIX_BUDGET for r in rl.values())
+  assert rl[1]["ahead_rollouts"] > 0 and rl[3]["ahead_rollouts"] > 0  # steps 0 and 2
+  assert rl[2]["ahead_rollouts"] == 0 == rl[4]["ahead_rollouts"]
+  assert 0 < rl[2]["staleness"] < 1 and 0 < rl[4]["staleness"] < 1
 
 
 @pytest.mark.slow

@@ -99,6 +99,8 @@ class RolloutDriver:
     self.predict_spread: Callable[[np.ndarray], tuple] | None = None
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
     self._stage2_prices: list[float] = []  # streamed stage 2: the batch price of recent steps
+    # (prompt keys, RootPlan) of the next step, whose stage-1 rollouts this step started ahead
+    self._ahead: tuple[list, strategies.RootPlan] | None = None
 
   def state_dict(self) -> dict:
     """What the driver carries from step to step (for a checkpoint): the random slice's
@@ -153,29 +155,53 @@ class RolloutDriver:
     return allocators.platt_apply(p_hat, *calib), calib
 
   # ---- one step ----------------------------------------------------------------------------------
-  def sample(self, examples: list[dict], use_predictor: bool = True) -> StepSample:
+  def sample(self, examples: list[dict], use_predictor: bool = True,
+             ahead_examples: list[dict] | None = None,
+             ahead_use_predictor: bool | None = None) -> StepSample:
     """Samples one step: stage 1 (the root plan), stage 2 (continuations from the chosen anchors;
     with `stage2="stream"` decided per tree as its stage-1 rollouts finish, in the same engine
     run), the random slice that measures p̂, value backup, the strategy's choice of trees to train
-    on, and the step's record (`StepSample.info`)."""
+    on, and the step's record (`StepSample.info`).
+
+    ahead_examples: the next step's prompts (rollouts one step ahead). Their root plan is made
+    now, with this step's predictor, and their stage-1 rollouts start in the slots this step's
+    tail leaves idle; the next call (whose `examples` must be these) adopts them and finishes them
+    under the weights the engine has then. `drop_ahead()` abandons them."""
     ledger_before = dict(self.engine.ledger.as_dict())
-    plan = self.root_plan(examples, use_predictor)
+    adopt = self._ahead is not None
+    if adopt:
+      keys, plan = self._ahead
+      self._ahead = None
+      if keys != [tuple(e["prompt_ids"]) for e in examples]:
+        self.drop_ahead()
+        raise ValueError("this step's prompts are not the ones its rollouts were started ahead "
+                         "for (pass the same examples, or drop_ahead() first)")
+    else:
+      plan = self.root_plan(examples, use_predictor)
+    ahead = []
+    if ahead_examples is not None:
+      use = use_predictor if ahead_use_predictor is None else ahead_use_predictor
+      next_plan = self.root_plan(ahead_examples, use)
+      ahead = self._root_requests(ahead_examples, next_plan)
+      self._ahead = ([tuple(e["prompt_ids"]) for e in ahead_examples], next_plan)
     counts = plan.counts
     predictive = plan.p_hat is not None and use_predictor
     if self.streams():
-      trees, stage1, s2 = self._sample_streamed(examples, plan, use_predictor)
+      trees, stage1, s2 = self._sample_streamed(examples, plan, use_predictor, adopt, ahead)
       slice_trees, slice_p = s2.slice_trees, s2.slice_p
     else:
-      trees = self._sample_roots(examples, plan)
+      stage2_run = self.strategy.has_stage2() and self.cfg.prefix_budget > 0
+      trees = self._sample_roots(examples, plan, adopt, [] if stage2_run else ahead)
       stage1 = [_Stage1View.of(t) for t in trees]
       s2 = _Stage2()
       s2.decide(self, trees, range(len(trees)), use_predictor, self.cfg.prefix_budget)
       slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
       slice_trees = []
-      if s2.forks or slice_reqs:
+      if s2.forks or slice_reqs or (stage2_run and ahead):
         # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its
         # cost is taken out of this step's ledger below (unless it steers the run).
-        out = self.engine.run(s2.forks + slice_reqs)
+        out = self.engine.run(s2.forks + slice_reqs, **_ahead_kw(False, ahead if stage2_run
+                                                                  else ()))
         slice_trees = out[len(out) - len(slice_reqs):] if slice_reqs else []
     predictions = []
     if predictive:
@@ -215,6 +241,11 @@ class RolloutDriver:
                         slice_counted=float(self.cfg.count_slice))
       self.engine.release(slice_trees)
     info.update(keep_info, **slice_info, **{f"ledger_{k}": v for k, v in ledger.items()})
+    if adopt or ahead:
+      stale = sum(t.meta.get("stale_tokens", 0) for t in trees)
+      made = sum(len(n.gen_ids) for t in trees for n in t.nodes)
+      info.update(stale_tokens=stale, staleness=stale / max(made, 1),
+                  ahead_rollouts=self.engine.ahead_ledger.rollouts_started)
     return StepSample(trees=kept, all_trees=trees, predictions=predictions, info=info,
                       slice_predictions=slice_preds, slice_trees=slice_trees)
 
@@ -225,7 +256,13 @@ class RolloutDriver:
     return (c.stage2 == "stream" and self.strategy.has_stage2() and c.prefix_budget > 0
             and c.budget_unit == "rollouts" and isinstance(self.engine, SamplerEngine))
 
-  def _sample_streamed(self, examples, plan, use_predictor):
+  def drop_ahead(self) -> None:
+    """Abandons the rollouts started ahead for the next step (and their plan)."""
+    self._ahead = None
+    if isinstance(self.engine, SamplerEngine):
+      self.engine.drop_carried()
+
+  def _sample_streamed(self, examples, plan, use_predictor, adopt=False, ahead=()):
     """Stage 1, stage 2 and the slice in one engine run: each time some stage-1 trees finish,
     they receive their part of the stage-2 budget left (`_Stage2.on_done`) and their
     continuations start at once, in the slots the tail of stage 1 leaves idle. The random slice
@@ -233,13 +270,12 @@ class RolloutDriver:
     run), not competing with stage 1 for slots. The step's batch price joins the driver's record
     for the next steps."""
     reqs = self._root_requests(examples, plan)
-    for i, r in enumerate(reqs):  # lets the callback place each tree among the requests
-      r.meta = dict(r.meta, stage1_index=i)
     n = len(reqs)
     slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
     s2 = _Stage2(self, use_predictor, n)
     s2.tail = list(slice_reqs)  # the slice joins with the last decision, in stage 2's tail
-    out = self.engine.run(reqs, on_trees_done=s2.on_done)
+    out = self.engine.run([] if adopt else reqs, on_trees_done=s2.on_done,
+                          **_ahead_kw(adopt, ahead))
     price = s2.price(self.cfg.prefix_budget)
     if price is not None:
       self._stage2_prices = (self._stage2_prices + [price])[-32:]
@@ -256,12 +292,18 @@ class RolloutDriver:
     return trees, stage1, s2
 
   def _root_requests(self, examples, plan) -> list[PromptRequest]:
-    return [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, plan.counts)
+    """Stage 1's requests; each carries its place among them (`stage1_index`: the streamed stage
+    2 places trees by it)."""
+    reqs = [PromptRequest(e["prompt_ids"], int(k), meta=e) for e, k in zip(examples, plan.counts)
             if k > 0]
+    for i, r in enumerate(reqs):
+      r.meta = dict(r.meta, stage1_index=i)
+    return reqs
 
-  def _sample_roots(self, examples, plan) -> list[Tree]:
+  def _sample_roots(self, examples, plan, adopt=False, ahead=()) -> list[Tree]:
     """Stage 1's rollouts; each tree records how many it got and whether a forced slot took it."""
-    trees = self.engine.run(self._root_requests(examples, plan))
+    trees = self.engine.run([] if adopt else self._root_requests(examples, plan),
+                            **_ahead_kw(adopt, ahead))
     self._mark_roots(trees, plan)
     return trees
 
@@ -493,6 +535,12 @@ def _stage2_info(trees, cands, conts, unmixed) -> dict:
     info[f"continuations_depth{d}"] = int(sum(k for dd, k in zip(depths, conts)
                                               if min(dd, 3) == d))
   return info
+
+
+def _ahead_kw(adopt: bool, ahead) -> dict:
+  """`engine.run`'s keywords for rollouts one step ahead, only when used (any engine takes a
+  plain call)."""
+  return {**({"adopt": True} if adopt else {}), **({"ahead": list(ahead)} if ahead else {})}
 
 
 def _leaves_under(tree: Tree, node_id: int):

@@ -60,6 +60,9 @@ class TreeState:
   worker, shard: the (worker, data shard) queue the tree's branches run on (task affinity; its
     pages live in that shard's range); -1 and None until first placed.
   prompt_mean: f32[D] mean final state over the prompt (`prompt_mean_features`), or None.
+  ahead: admitted as a rollout of the caller's next step (`run(ahead=...)`) and not yet adopted:
+    its work is charged to `engine.ahead_ledger`, and the current run neither waits for it nor
+    reports it.
   """
 
   tree: Tree
@@ -70,6 +73,7 @@ class TreeState:
   worker: int = -1
   shard: int | None = None
   prompt_mean: np.ndarray | None = None
+  ahead: bool = False
 
 
 class _Branch:
@@ -204,6 +208,12 @@ class SamplerEngine:
                                                   cfg.prompt_mean_features)
     self.slots: list[_Branch | None] = [None] * cfg.num_slots
     self.ledger = Ledger()
+    # The cost (rollouts, tokens, prefill, tool calls) of rollouts started ahead for the caller's
+    # next step: moved into `ledger` when a run adopts them, so each step's ledger is its own
+    # trees' cost. (Slot and decode-step counts stay in `ledger`: they are the run's time.)
+    self.ahead_ledger = Ledger()
+    self._carried: list[Tree] = []  # ahead trees, in admission order, until adopted
+    self._ahead_pending: dict = {}  # (worker, shard) -> deque of their branches not started
     # prompt -> mean final state over it, under the current weights (prompt_mean_features): the
     # pool scoring computes it for every candidate, so admitting a scored prompt costs nothing.
     self._prompt_means: dict[tuple, np.ndarray] = {}
@@ -226,9 +236,47 @@ class SamplerEngine:
 
   # ---- public API --------------------------------------------------------------------------------
   def update_params(self, params_state) -> None:
+    """Swaps the sampling weights. Rollouts carried ahead (`run(ahead=...)`) continue under the
+    new weights from their K/V as it is; each carried tree records in `meta["stale_tokens"]` the
+    tokens it had generated under the old weights (their log-probs are the old policy's, which is
+    what the update's ratio is taken against)."""
     self.state = self._place(params_state)
     self._prompt_means.clear()  # computed under the old weights
     self.drop_kept()
+    if self._carried:
+      stale = {t.uid: sum(len(n.gen_ids) for n in t.nodes) for t in self._carried}
+      for b in self.slots:
+        if b is not None and b.tree.uid in stale:
+          stale[b.tree.uid] += len(b.turn_ids)
+      for t in self._carried:
+        t.meta["stale_tokens"] = stale[t.uid]
+
+  @property
+  def carried(self) -> list[Tree]:
+    """Trees started ahead by the last `run` and not yet adopted by one (`run(adopt=True)`)."""
+    return list(self._carried)
+
+  def drop_carried(self) -> None:
+    """Stops the rollouts carried ahead and releases their trees; their cost so far moves into
+    `ledger` (work done, not used)."""
+    uids = {t.uid for t in self._carried}
+    for i, b in enumerate(self.slots):
+      if b is not None and b.tree.uid in uids:
+        b.state.page_refs.append(b.pages)
+        self.slots[i] = None
+    self._ahead_pending = {}
+    trees, self._carried = self._carried, []
+    self.release(trees)
+    self._absorb_ahead_ledger()
+
+  def _absorb_ahead_ledger(self) -> None:
+    for k, v in self.ahead_ledger.as_dict().items():
+      setattr(self.ledger, k, getattr(self.ledger, k) + v)
+    self.ahead_ledger = Ledger()
+
+  def _charge(self, st: "TreeState | None") -> Ledger:
+    """The ledger a tree's work is charged to (None: not a tree's, e.g. scoring a pool)."""
+    return self.ahead_ledger if st is not None and st.ahead else self.ledger
 
   def drop_kept(self) -> None:
     """Releases the pages of scored prompts kept for sampling (`prompt_features(keep=True)`)
@@ -412,6 +460,7 @@ class SamplerEngine:
     sampling (`drop_kept`)."""
     if trees is None:
       self.drop_kept()
+      self.drop_carried()
     trees = [st.tree for st in self._trees.values()] if trees is None else list(trees)
     for tree in trees:
       st = self._trees.pop(tree.uid, None)
@@ -441,8 +490,17 @@ class SamplerEngine:
       del st.kv[k]
 
   def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False,
-          sync_refill: bool = False, on_trees_done=None) -> list[Tree]:
+          sync_refill: bool = False, on_trees_done=None, ahead=(), adopt: bool = False
+          ) -> list[Tree]:
     """Samples every request to completion and returns the trees, in request order.
+
+    ahead: requests of the caller's *next* step (PromptRequest only). Their branches start only in
+    slots this run's own work leaves idle (its tail), and the run returns as soon as its own trees
+    are done, leaving them decoding or queued: `carried` lists their trees. The next call must
+    adopt them (`adopt=True`: they come first in its result and are sampled to completion with
+    the weights it has then; `update_params` in between swaps the weights under them) or
+    `drop_carried()`. Their cost is kept in `ahead_ledger` until adopted, so each run's `ledger`
+    delta is the cost of the trees it returns.
 
     on_trees_done: optional callback(trees) -> requests. Between decode steps it receives the
     trees of this run that went idle since the last call (every rollout started for them has
@@ -463,27 +521,54 @@ class SamplerEngine:
     s = self.cfg.num_slots
     if not 1 <= num_workers <= s:
       raise ValueError(f"num_workers must be in [1, {s}], got {num_workers}")
-    self.slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
+    if self._carried and not adopt:
+      raise ValueError(f"{len(self._carried)} trees started ahead by the last run are still "
+                       f"live: adopt them (run(..., adopt=True)) or drop_carried() first")
+    if any(not isinstance(r, PromptRequest) for r in ahead):
+      raise ValueError("ahead takes PromptRequests only (the next step's new prompts)")
+    slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
+    if adopt and self._carried and not np.array_equal(slot_worker, self.slot_worker):
+      raise ValueError("adopting carried trees needs the num_workers they were started with")
+    self.slot_worker = slot_worker
     self._pending = {(int(w), int(d)): collections.deque()
                      for w, d in zip(self.slot_worker, self.slot_shard)}
     self._on_trees_done, self._idle = on_trees_done, []
-    trees = self._run_trees = self._admit(requests, num_workers)
+    carried, self._carried = self._carried, []
+    if carried:  # the last run's ahead trees become this run's first ones
+      for key, q in self._ahead_pending.items():
+        self._pending[key].extend(q)
+      for t in carried:
+        st = self._trees[t.uid]
+        st.ahead = False
+        if st.outstanding == 0 and on_trees_done is not None:
+          self._idle.append(t)  # done while carried: reported at this run's first step
+      self._absorb_ahead_ledger()
+    self._ahead_pending = {key: collections.deque() for key in self._pending}
+    trees = self._run_trees = carried + self._admit(requests, num_workers)
+    ahead_trees = self._admit(list(ahead), num_workers, ahead=True) if ahead else []
     self.drop_kept()  # the scored prompts this run does not sample: their pages go back now
+    done = False
     try:
       self._loop(sync_turns, num_workers, sync_refill)
+      done = True
     finally:
-      for i, b in enumerate(self.slots):
-        if b is not None:  # only on error: hand the branch's pages to its tree for release
-          b.state.page_refs.append(b.pages)
-          self.slots[i] = None
-      for st in self._trees.values():
-        st.outstanding = 0
+      if not done:  # an error: hand every branch's pages to its tree for release
+        for i, b in enumerate(self.slots):
+          if b is not None:
+            b.state.page_refs.append(b.pages)
+            self.slots[i] = None
+        for st in self._trees.values():
+          st.outstanding = 0
+        self._ahead_pending, ahead_trees = {}, []
+        self._absorb_ahead_ledger()
       self._jobs, self._on_trees_done, self._idle = [], None, []
+    self._carried = ahead_trees
     return trees
 
   # ---- admission ---------------------------------------------------------------------------------
-  def _admit(self, requests, num_workers) -> list[Tree]:
-    trees, load = [], {c: 0 for c in self._pending}
+  def _admit(self, requests, num_workers, ahead: bool = False) -> list[Tree]:
+    queues = self._ahead_pending if ahead else self._pending
+    trees, load = [], {c: 0 for c in queues}
     for req in requests:
       if isinstance(req, tuple):
         req = ForkRequest(*req)
@@ -499,7 +584,7 @@ class SamplerEngine:
         if req.uid is None:
           self._next_uid += 1
         tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
-        st = self._trees[uid] = TreeState(tree)
+        st = self._trees[uid] = TreeState(tree, ahead=ahead)
         node_id, count = 0, req.n
         kept = self._kept.get(tuple(ids))
         if kept is not None:  # scored with keep: its K/V is in these pages already
@@ -534,7 +619,7 @@ class SamplerEngine:
       pick = min(prefer or cands, key=lambda c: load[c])
       st.worker, st.shard = pick
       load[pick] += count
-      self._pending[pick].extend([(st, node_id)] * count)
+      queues[pick].extend([(st, node_id)] * count)
       st.outstanding += count
       if all(t is not tree for t in trees):
         trees.append(tree)
@@ -544,8 +629,16 @@ class SamplerEngine:
     return trees
 
   # ---- main loop ---------------------------------------------------------------------------------
+  def _own_work_left(self) -> bool:
+    """Whether this run's own trees (not those started ahead) have branches queued or running."""
+    return (any(self._pending.values()) or
+            any(b is not None and not b.state.ahead for b in self.slots))
+
   def _loop(self, sync_turns, num_workers, sync_refill=False):
     while True:
+      if self._ahead_pending and not self._idle and not self._own_work_left():
+        self._flush_prefill()  # the ahead branches' queued observations: their K/V complete
+        return  # this run's trees are done; the ones started ahead stay as they are
       if self._idle:  # the caller's next requests for trees that just finished
         idle, self._idle = self._idle, []
         more = list(self._on_trees_done(idle) or [])
@@ -573,7 +666,10 @@ class SamplerEngine:
   def _refill(self):
     starts = []
     for i, b in enumerate(self.slots):
-      q = self._pending[(int(self.slot_worker[i]), int(self.slot_shard[i]))]
+      key = (int(self.slot_worker[i]), int(self.slot_shard[i]))
+      q = self._pending[key]
+      if b is None and not q and self._ahead_pending:
+        q = self._ahead_pending[key]  # an idle slot: the next step's rollouts may start here
       if b is None and q:
         starts.append((i, *q.popleft()))
     if not starts:
@@ -586,7 +682,7 @@ class SamplerEngine:
         pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
         st.page_refs.append(pages)
         st.kv[0] = (pages, n)
-        self._jobs.append([None, pages, 0, list(prompt[:-1]), None])
+        self._jobs.append([st, pages, 0, list(prompt[:-1]), None])
     self._flush_prefill()
     src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
     for slot, st, node_id in starts:
@@ -614,7 +710,7 @@ class SamplerEngine:
       self.slots[slot] = b
       if self.record_steps:
         self.starts.append((slot, tree.uid))
-      self.ledger.rollouts_started += 1
+      self._charge(st).rollouts_started += 1
     for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
       s_ids, d_ids = [], []
       for shard in range(self.shards):  # block per shard, padded with the shard's null page
@@ -625,7 +721,8 @@ class SamplerEngine:
       self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))
 
   def _flush_prefill(self):
-    """Runs queued prefill jobs [branch|None, pages, start, tokens, features|None] in chunk/row
+    """Runs queued prefill jobs [owner, pages, start, tokens, features|None] (owner: the branch or
+    TreeState the work is charged to, None for scoring) in chunk/row
     buckets (a job with a features dict gets its final state at its last token and the sum of
     its final states, `prompt_features(keep=True)`); on a
     mesh each call holds a block of `prefill_rows` rows per data shard, each shard's own jobs."""
@@ -657,7 +754,8 @@ class SamplerEngine:
         batch["start"][r], batch["num_new"][r] = j[2], t
         j[2] += t
         j[3] = j[3][t:]
-        self.ledger.prefill_tokens += t
+        owner = j[0].state if isinstance(j[0], _Branch) else j[0]
+        self._charge(owner).prefill_tokens += t
         rows_of.append((r, j))
       self.pool, last, total = self._prefill(self.state, self.pool, batch)
       if any(j[4] is not None for _, j in rows_of):  # scoring: read the rows' final states
@@ -775,7 +873,7 @@ class SamplerEngine:
         b.turn_ents.append(float(out["entropy"][i, j]))
         b.counter += 1
         b.pending = tok
-        self.ledger.generated_tokens += 1
+        self._charge(b.state).generated_tokens += 1
         if self.eos_id is not None and tok == self.eos_id:
           b.end_reason = "stop"
         elif text_stop and any(x in self.decode(b.turn_ids[-16:]) for x in self.stop_strings):
@@ -810,7 +908,8 @@ class SamplerEngine:
         b.node.done, b.node.truncated, b.node.reward = True, b.end_reason, cfg.truncation_reward
     results = self.env_step([(TurnRef(self.slots[i].tree, self.slots[i].node),
                               self.slots[i].node.text) for i in calls]) if calls else []
-    self.ledger.tool_calls += len(calls)
+    for i in calls:
+      self._charge(self.slots[i].state).tool_calls += 1
     for i, (obs, done, reward) in zip(calls, results):
       b = self.slots[i]
       node = b.node
@@ -877,7 +976,7 @@ class SamplerEngine:
     b.state.page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
     self.slots[i] = None
     b.state.outstanding -= 1
-    if b.state.outstanding == 0 and self._on_trees_done is not None:
+    if b.state.outstanding == 0 and self._on_trees_done is not None and not b.state.ahead:
       self._idle.append(b.tree)
 
 
