@@ -14,7 +14,10 @@ compilations and their seconds (`compiles_by_step`: the first steps' extra cost,
 4; compiled functions are shared within a process, so compare settings run in processes of
 their own, `--out` per setting). The counts do not depend on the machine's load; the seconds
 do, so time only on an otherwise idle machine. `nokeep` in a setting turns the pool's kept K/V
-off (`rollout.keep_pool_kv`): the pool prefilled to score, the sampled prompts again.
+off (`rollout.keep_pool_kv`): the pool prefilled to score, the sampled prompts again; `op`
+turns rollouts one step ahead on (`rollout.off_policy_steps=1`; no evaluation or checkpoint
+interrupts the measured steps, so every step starts the next one's rollouts) and adds the
+median `staleness` (share of a step's tokens the previous weights generated).
 Writes results/step_bench.json ({"runs": [{"method", "stage2", "off_policy_steps",
 "slot_utilization", "decode_steps_per_step", "prefill_tokens_per_step", "sample_s", "update_s",
 ...}]}) and results/step_bench.png.
@@ -38,9 +41,9 @@ _CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
 _SETTINGS = flags.DEFINE_string(
     "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,trace_tree:stream:nokeep,"
     "tree_grpo:batch,tree_grpo:stream",
-    "comma-separated method:stage2[:deadline][:nokeep] (deadline: rollout.stage2_deadline, "
-    "stream only; nokeep: rollout.keep_pool_kv=False, the pool prefilled to score and the "
-    "sampled prompts again)")
+    "comma-separated method:stage2[:deadline][:nokeep][:op] (deadline: "
+    "rollout.stage2_deadline, stream only; nokeep: rollout.keep_pool_kv=False, the pool "
+    "prefilled to score and the sampled prompts again; op: rollout.off_policy_steps=1)")
 _STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
@@ -50,7 +53,7 @@ _COMPILES = None  # trace_jax.diagnostics.CompileCounter, started in main
 
 
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
-            deadline: float = 0.0, keep: bool = True) -> dict:
+            deadline: float = 0.0, keep: bool = True, off_policy: int = 0) -> dict:
   import mhqa
 
   from trace_jax import train
@@ -58,7 +61,13 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   c = mhqa.get_config(variant)
   c.method, c.rollout.stage2, c.rollout.stage2_deadline = method, stage2, deadline
   c.rollout.keep_pool_kv = keep
-  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}"
+  c.rollout.off_policy_steps = off_policy
+  # Steady state: no step is followed by an evaluation or a checkpoint (train.drains).
+  c.eval.every = c.ckpt.every = 10**6
+  if warmup + steps >= c.rl.steps:
+    raise ValueError(f"warmup + steps must stay below rl.steps={c.rl.steps} (its last step "
+                     "starts nothing ahead)")
+  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}-{off_policy}"
   c = mhqa.validate(c)
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
@@ -77,7 +86,8 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
     return float(np.median(vals)) if vals else None
 
   util = [r["ledger_busy_slot_steps"] / max(r["ledger_total_slot_steps"], 1) for r in recs]
-  return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=0,
+  return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=off_policy,
+              staleness=med("staleness"),
               keep_pool_kv=keep,
               steps=len(recs),
               slot_utilization=float(np.median(util)),
@@ -102,9 +112,9 @@ def main(argv):
   for setting in _SETTINGS.value.split(","):
     method, stage2, *rest = setting.split(":")
     keep = "nokeep" not in rest
-    deadline = [float(x) for x in rest if x != "nokeep"]
+    deadline = [float(x) for x in rest if x not in ("nokeep", "op")]
     row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value,
-                  deadline[0] if deadline else 0.0, keep)
+                  deadline[0] if deadline else 0.0, keep, int("op" in rest))
     if _NO_TIMING.value:
       row.update(sample_s=None, update_s=None)
     rows.append(row)
@@ -122,7 +132,8 @@ def main(argv):
 
   labels = [f"{r['method']}\n{r['stage2']}"
             + (f" dl {r['stage2_deadline']:g}" if r.get("stage2_deadline") else "")
-            + ("" if r.get("keep_pool_kv", True) else " nokeep") for r in rows]
+            + ("" if r.get("keep_pool_kv", True) else " nokeep")
+            + (" op" if r.get("off_policy_steps") else "") for r in rows]
   fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
   axes[0].bar(labels, [r["slot_utilization"] for r in rows], color="tab:blue")
   axes[0].axhline(0.85, color="grey", ls="--", lw=0.8)

@@ -219,7 +219,7 @@ class SamplerEngine:
     self._prompt_means: dict[tuple, np.ndarray] = {}
     # prompt -> (pages, kv_len) of prompts scored with `prompt_features(keep=True)` and not yet
     # admitted: their K/V, kept for the sampler so no prompt is prefilled twice in a step. Dropped
-    # when new weights arrive, when the next pool is scored, and when a run has admitted its own.
+    # when new weights arrive and when a run has admitted its own (a prompt scored again: replaced).
     self._kept: dict[tuple, tuple[list[int], int]] = {}
     # Bounded and off by default: a training run makes millions of decode steps and never reads
     # them (see record_steps).
@@ -335,8 +335,9 @@ class SamplerEngine:
     sampling, e.g. re-featurizing the predictor's training prompts).
 
     keep: score the prompts with the sampler's own chunked prefill into KV pages and keep those
-    pages for the prompts the next `run` admits (the others are released as it starts, or when
-    the next pool is scored, or at `update_params`): a candidate pool is prefilled once,
+    pages for the prompts the next `run` admits (the others are released as it starts, or at
+    `update_params`; a prompt scored again gets new pages, its old ones go back; a pool scored
+    for a step ahead keeps the current step's): a candidate pool is prefilled once,
     whichever of its prompts are then sampled. Prompts that do not fit in the free pages are
     scored the plain way. The features agree with the plain way's to float rounding."""
     if keep:
@@ -347,8 +348,9 @@ class SamplerEngine:
 
   def _score_and_keep(self, prompts) -> np.ndarray:
     cfg = self.cfg
-    self.drop_kept()
     keys = [tuple(int(t) for t in p) for p in prompts]
+    for key in set(keys) & set(self._kept):  # scored again: the older pages go back
+      self.alloc.decref(self._kept.pop(key)[0])
     jobs, plain = {}, []
     for i, key in enumerate(dict.fromkeys(keys)):
       if not 1 <= len(key) < cfg.max_seq_len:
