@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 29 item 2, counts only: rollouts one step ahead (op) against none, one process per
+# setting (compiled functions are shared within a process).
+#   bash benchmarks/step_bench_op.sh [method:stage2[:deadline][:nokeep][:op] ...]
+# Writes results/step_bench_op/<setting>.{json,png}; then
+#   python benchmarks/step_bench_table.py results/step_bench_op
+set -uo pipefail
+cd "$(dirname "$0")/.."
+settings=("$@")
+[ ${#settings[@]} -eq 0 ] && settings=(grpo:batch grpo:batch:op trace_tree:batch
+                                       trace_tree:batch:op trace_tree:stream:0.25
+                                       trace_tree:stream:0.25:op tree_grpo:stream
+                                       tree_grpo:stream:op)
+mkdir -p results/step_bench_op logs
+for s in "${settings[@]}"; do
+  name=$(echo "$s" | tr ':' '_')
+  echo "$s start $(date -u +%H:%M:%S)"
+  python benchmarks/bench_step.py --settings="$s" --steps=6 --warmup=2 --no_timing \
+    --out="results/step_bench_op/$name" > "logs/bench_op_$name.log" 2>&1
+  echo "$s done rc=$? $(date -u +%H:%M:%S)"
+done
