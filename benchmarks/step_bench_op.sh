@@ -2,8 +2,7 @@
 # Issue 29 item 2, counts only: rollouts one step ahead (op) against none, one process per
 # setting (compiled functions are shared within a process).
 #   bash benchmarks/step_bench_op.sh [method:stage2[:deadline][:nokeep][:op] ...]
-# Writes results/step_bench_op/<setting>.{json,png}; then
-#   python benchmarks/step_bench_table.py results/step_bench_op
+# Writes results/step_bench_op/<setting>.{json,png}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 settings=("$@")
