@@ -212,3 +212,20 @@ def test_unknown_config_key_fails(tmp_path):
   assert p.returncode != 0
   assert "no_such_key" in p.stdout, p.stdout[-2000:]
   assert not os.path.exists(os.path.join(tmp_path, "run"))
+
+
+def test_rollouts_ahead_stop_before_evaluations_and_checkpoints():
+  """`rollout.off_policy_steps=1`: a step followed by an evaluation, a checkpoint or the run's
+  end starts nothing ahead (`train.drains`); the setting takes 0 or 1 and one process."""
+  sys.path.append(os.path.join(ROOT, "configs"))
+  import mhqa
+
+  from trace_jax.train import drains
+
+  c = mhqa.get_config("smoke")
+  c.rl.steps, c.eval.every, c.ckpt.every, c.rollout.off_policy_steps = 10, 4, 6, 1
+  tc = mhqa.validate(c)
+  assert [s for s in range(10) if drains(tc, s)] == [3, 5, 7, 9]
+  c.rollout.off_policy_steps = 2
+  with pytest.raises(ValueError, match="off_policy_steps"):
+    mhqa.validate(c)
