@@ -29,7 +29,9 @@ Parts (each adds its keys to `--out`, a JSON file that keeps the other parts' ke
              `grpo_plateau_step` (first evaluation within 0.02 of the run's best) and
              `discovery_iqr_steps` (interquartile range over lessons and seeds of the first step at
              which a lesson's fact-verb share among held-out searches passes 0.5, lessons above
-             0.5 at step 0 left out; `discovery_iqr_steps_by_em` the same by per-lesson EM).
+             0.5 at step 0 left out, and so are lessons never found; `discovery_iqr_steps_by_em`
+             the same by per-lesson EM; `discovery_iqr_steps_censored` with the lessons never
+             found counted at the step after the run's last, and `discovery_never_found`).
 The world's own parts (oracle, names, lessons) take seconds; capacity and warm_start train a warm
 start each (cached under world.cache_dir); grpo trains `len(seeds)` runs.
 """
@@ -265,10 +267,11 @@ def read_curve(path: str) -> dict:
   return out
 
 
-def discovery_steps(curve: dict, key: str = "fact_verb") -> list:
+def discovery_steps(curve: dict, key: str = "fact_verb", never=None) -> list:
   """Per lesson below one half at the first evaluation: the first evaluated step at which it is
   above one half (`key`: "fact_verb", the lesson's fact-verb share among held-out searches, or
-  "lessons", its held-out EM). Lessons never found are left out."""
+  "lessons", its held-out EM). Lessons never found are left out, or given `never` (e.g. a step
+  past the run's end: a censored reading) when it is not None."""
   steps = sorted(curve)
   out = []
   for lesson, v0 in curve[steps[0]][key].items():
@@ -277,12 +280,15 @@ def discovery_steps(curve: dict, key: str = "fact_verb") -> list:
     hit = [s for s in steps if curve[s][key].get(lesson, 0.0) > 0.5]
     if hit:
       out.append(hit[0])
+    elif never is not None:
+      out.append(never)
   return out
 
 
 def summarize_grpo(curves: dict) -> dict:
   """The grpo part's figures from {seed: read_curve(...)}."""
   ratio, plateau, discovery, discovery_em, finals = [], [], [], [], []
+  censored, never = [], 0
   for curve in curves.values():
     steps = sorted(curve)
     ems = [curve[s]["em"] for s in steps]
@@ -294,6 +300,11 @@ def summarize_grpo(curves: dict) -> dict:
     plateau.append(next(s for s, e in zip(steps, ems) if e >= best - 0.02))
     discovery += discovery_steps(curve, "fact_verb")
     discovery_em += discovery_steps(curve, "lessons")
+    # Lessons not found within the run counted as found just after it (a lower bound on their
+    # step): the spread of discovery including the lessons the run leaves undiscovered.
+    with_never = discovery_steps(curve, "fact_verb", never=steps[-1] + 1)
+    censored += with_never
+    never += sum(x == steps[-1] + 1 for x in with_never)
   iqr = lambda v: float(np.subtract(*np.percentile(v, [75, 25]))) if v else float("nan")  # noqa
   return dict(grpo_em50_over_final=float(np.median(ratio)) if ratio else float("nan"),
               grpo_plateau_step=float(np.median(plateau)) if plateau else float("nan"),
@@ -301,6 +312,7 @@ def summarize_grpo(curves: dict) -> dict:
               discovery_iqr_steps=iqr(discovery),
               discovery_steps=sorted(int(x) for x in discovery),
               discovery_iqr_steps_by_em=iqr(discovery_em),
+              discovery_iqr_steps_censored=iqr(censored), discovery_never_found=never,
               discovery_steps_by_em=sorted(int(x) for x in discovery_em),
               grpo_seeds=sorted(curves))
 

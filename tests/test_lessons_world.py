@@ -247,3 +247,27 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
     params["embed_tokens"] = emb.at[fact].multiply(8.0)
   changed = probs(params)
   assert abs(changed[r] - a[r]) > 1e-3
+
+
+def test_discovery_spread_with_and_without_lessons_never_found():
+  """world_check's grpo figures (in a process of its own: the launch script defines flags that
+  another test's in-process import of a launch script would clash with)."""
+  code = """
+import json, sys
+sys.path.insert(0, "launch")
+from world_check import summarize_grpo
+def at(found):  # lessons a..e: fact-verb share 1 for those found
+  return dict(em=0.1 * len(found), lessons={}, fact_verb={k: float(k in found) for k in "abcde"})
+out = summarize_grpo({0: {0: at("a"), 10: at("ab"), 20: at("abc"), 30: at("abcd")}})
+print(json.dumps(out))
+"""
+  import subprocess
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  assert out["discovery_steps"] == [10, 20, 30] and out["discovery_iqr_steps"] == 10.0
+  # e never found: counted at step 31, the IQR of [10, 20, 30, 31].
+  assert out["discovery_never_found"] == 1
+  assert out["discovery_iqr_steps_censored"] == float(np.subtract(*np.percentile(
+      [10, 20, 30, 31], [75, 25])))
