@@ -86,11 +86,16 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
     return float(np.median(vals)) if vals else None
 
   util = [r["ledger_busy_slot_steps"] / max(r["ledger_total_slot_steps"], 1) for r in recs]
+  # Idle slot steps split: no branch in the slot, or its turn ended inside a multi-step call.
+  empty = [r.get("ledger_empty_slot_steps", 0) / max(r["ledger_total_slot_steps"], 1)
+           for r in recs]
   return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=off_policy,
               staleness=med("staleness"),
               keep_pool_kv=keep,
               steps=len(recs),
               slot_utilization=float(np.median(util)),
+              empty_slot_share=float(np.median(empty)),
+              stopped_in_call_share=float(np.median(1 - np.asarray(util) - np.asarray(empty))),
               decode_steps_per_step=med("ledger_decode_steps"),
               prefill_tokens_per_step=med("ledger_prefill_tokens"),
               generated_tokens_per_step=med("ledger_generated_tokens"),

@@ -425,6 +425,9 @@ def test_rollouts_started_ahead_fill_idle_slots_and_are_adopted(model):
   cost2 = _trees_cost(a2)
   assert all(used[k] == cost2[k] for k in cost2), (used, cost2)
   assert engine.ahead_ledger.as_dict() == {k: 0 for k in used}
+  # Idle slot steps split into empty slots and turns that ended inside a multi-step call.
+  led = engine.ledger
+  assert 0 < led.empty_slot_steps <= led.total_slot_steps - led.busy_slot_steps
   engine.release(a1 + a2)
   assert engine.alloc.num_free == free0 and not engine.alloc.refcount.any()
 

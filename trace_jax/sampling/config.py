@@ -117,6 +117,10 @@ class Ledger:
   decode_steps: int = 0
   busy_slot_steps: int = 0
   total_slot_steps: int = 0
+  # Of the idle slot steps (total - busy): those of slots with no branch decoding in the call (no
+  # work left for them, or waiting at a turn barrier); the rest are slots whose turn ended
+  # inside a multi-step call (`decode_steps`) and idled until the call's end.
+  empty_slot_steps: int = 0
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

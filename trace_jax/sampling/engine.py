@@ -850,6 +850,7 @@ class SamplerEngine:
     self.ledger.decode_steps += n_steps
     self.ledger.busy_slot_steps += int(counts[decoding].sum())
     self.ledger.total_slot_steps += s * n_steps
+    self.ledger.empty_slot_steps += (s - len(decoding)) * n_steps
     ended = []
     for i in decoding:
       b = self.slots[i]
