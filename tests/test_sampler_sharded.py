@@ -34,3 +34,6 @@ def test_engine_on_mesh_2x2x2_matches_one_device_and_keeps_the_pool_split():
   # pages with the single device's tokens, and every page back after release.
   assert res["kept_features_max_abs_vs_one_device"] < 1e-4 and res["kept_same_tokens"]
   assert res["kept_trees_on_their_pages_shard"] and res["kept_released_all"]
+  # Rollouts started ahead on the mesh and adopted by the next run: the single device's tokens.
+  assert res["ahead_started"] > 0 and res["ahead_same_tokens"]
+  assert res["ahead_trees_on_one_shard"] and res["ahead_released_all"]

@@ -130,6 +130,22 @@ def main():
           for p in pages) for t in kept_trees)
   engine.release()
   res["kept_released_all"] = engine.alloc.num_free == free0
+  # Rollouts one step ahead on the mesh: started in the idle slots of each shard, adopted by
+  # the next run, the single device's tokens, each tree on one shard, nothing leaks.
+  step1 = [PromptRequest(p, n=3, uid=10 + i) for i, p in enumerate(PROMPTS[:2])]
+  step2 = [PromptRequest(p, n=2, uid=20 + i) for i, p in enumerate(PROMPTS)]
+  one = make_engine(model)
+  ref = one.run(step1) + one.run(step2)
+  free0 = engine.alloc.num_free
+  first = engine.run(step1, ahead=step2)
+  res["ahead_started"] = engine.ahead_ledger.rollouts_started
+  both = first + engine.run([], adopt=True)
+  res["ahead_same_tokens"] = leaves(both) == leaves(ref)
+  res["ahead_trees_on_one_shard"] = all(
+      all(p // n == engine.tree_state(t).shard for pages in engine.tree_state(t).page_refs
+          for p in pages) for t in both)
+  engine.release()
+  res["ahead_released_all"] = engine.alloc.num_free == free0
   # Plain paged attention (no groups) on the mesh: the same tokens too.
   plain = make_engine(model, mesh, use_tree_attention=False)
   res["plain_same_tokens"] = leaves(plain.run([PromptRequest(p, n=2) for p in PROMPTS])) == \
