@@ -17,7 +17,10 @@ do, so time only on an otherwise idle machine. `nokeep` in a setting turns the p
 off (`rollout.keep_pool_kv`): the pool prefilled to score, the sampled prompts again; `op`
 turns rollouts one step ahead on (`rollout.off_policy_steps=1`; no evaluation or checkpoint
 interrupts the measured steps, so every step starts the next one's rollouts) and adds the
-median `staleness` (share of a step's tokens the previous weights generated).
+median `staleness` (share of a step's tokens the previous weights generated); `dsN` sets
+`rollout.decode_steps=N` (decode steps per device call). Idle slot steps are split into slots
+with no branch (`empty_slot_share`) and slots whose turn ended inside a call
+(`stopped_in_call_share`).
 Writes results/step_bench.json ({"runs": [{"method", "stage2", "off_policy_steps",
 "slot_utilization", "decode_steps_per_step", "prefill_tokens_per_step", "sample_s", "update_s",
 ...}]}) and results/step_bench.png.
@@ -41,9 +44,10 @@ _CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
 _SETTINGS = flags.DEFINE_string(
     "settings", "grpo:batch,trace_tree:batch,trace_tree:stream,trace_tree:stream:nokeep,"
     "tree_grpo:batch,tree_grpo:stream",
-    "comma-separated method:stage2[:deadline][:nokeep][:op] (deadline: "
+    "comma-separated method:stage2[:deadline][:nokeep][:op][:dsN] (deadline: "
     "rollout.stage2_deadline, stream only; nokeep: rollout.keep_pool_kv=False, the pool "
-    "prefilled to score and the sampled prompts again; op: rollout.off_policy_steps=1)")
+    "prefilled to score and the sampled prompts again; op: rollout.off_policy_steps=1; dsN: "
+    "rollout.decode_steps=N)")
 _STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
@@ -53,7 +57,8 @@ _COMPILES = None  # trace_jax.diagnostics.CompileCounter, started in main
 
 
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
-            deadline: float = 0.0, keep: bool = True, off_policy: int = 0) -> dict:
+            deadline: float = 0.0, keep: bool = True, off_policy: int = 0,
+            decode_steps: int = 0) -> dict:
   import mhqa
 
   from trace_jax import train
@@ -62,12 +67,15 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   c.method, c.rollout.stage2, c.rollout.stage2_deadline = method, stage2, deadline
   c.rollout.keep_pool_kv = keep
   c.rollout.off_policy_steps = off_policy
+  if decode_steps:
+    c.rollout.decode_steps = decode_steps
   # Steady state: no step is followed by an evaluation or a checkpoint (train.drains).
   c.eval.every = c.ckpt.every = 10**6
   if warmup + steps >= c.rl.steps:
     raise ValueError(f"warmup + steps must stay below rl.steps={c.rl.steps} (its last step "
                      "starts nothing ahead)")
-  c.workdir = f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}-{off_policy}"
+  c.workdir = (f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}-{off_policy}-"
+               f"{c.rollout.decode_steps}")
   c = mhqa.validate(c)
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
@@ -90,6 +98,7 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   empty = [r.get("ledger_empty_slot_steps", 0) / max(r["ledger_total_slot_steps"], 1)
            for r in recs]
   return dict(method=method, stage2=stage2, stage2_deadline=deadline, off_policy_steps=off_policy,
+              decode_steps=c.rollout.decode_steps,
               staleness=med("staleness"),
               keep_pool_kv=keep,
               steps=len(recs),
@@ -117,9 +126,11 @@ def main(argv):
   for setting in _SETTINGS.value.split(","):
     method, stage2, *rest = setting.split(":")
     keep = "nokeep" not in rest
-    deadline = [float(x) for x in rest if x not in ("nokeep", "op")]
+    ds = [int(x[2:]) for x in rest if x.startswith("ds")]
+    deadline = [float(x) for x in rest if x not in ("nokeep", "op") and not x.startswith("ds")]
     row = measure(method, stage2, _CONFIG.value, _STEPS.value, _WARMUP.value,
-                  deadline[0] if deadline else 0.0, keep, int("op" in rest))
+                  deadline[0] if deadline else 0.0, keep, int("op" in rest),
+                  ds[0] if ds else 0)
     if _NO_TIMING.value:
       row.update(sample_s=None, update_s=None)
     rows.append(row)
@@ -138,7 +149,8 @@ def main(argv):
   labels = [f"{r['method']}\n{r['stage2']}"
             + (f" dl {r['stage2_deadline']:g}" if r.get("stage2_deadline") else "")
             + ("" if r.get("keep_pool_kv", True) else " nokeep")
-            + (" op" if r.get("off_policy_steps") else "") for r in rows]
+            + (" op" if r.get("off_policy_steps") else "")
+            + (f" ds{r['decode_steps']}" if r.get("decode_steps", 8) != 8 else "") for r in rows]
   fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
   axes[0].bar(labels, [r["slot_utilization"] for r in rows], color="tab:blue")
   axes[0].axhline(0.85, color="grey", ls="--", lw=0.8)

@@ -215,6 +215,7 @@ def validate(c: TrainConfig) -> None:
   _choice(c, "rollout.anchors", ("all", "before_tool_call"))
   _choice(c, "rollout.stage2", ("batch", "stream"))
   _choice(c, "rollout.off_policy_steps", (0, 1))
+  _at_least(c, "rollout.decode_steps", 1)
   if not 0.0 <= c.rollout.stage2_deadline < 1.0:
     raise ValueError(f"rollout.stage2_deadline={c.rollout.stage2_deadline} must be in [0, 1)")
   if c.rollout.stage2 == "stream" and c.rollout.budget_unit != "rollouts":

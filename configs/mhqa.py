@@ -164,6 +164,10 @@ def _base():
   # sampled with; `staleness` per step). Not on steps that end in an evaluation or a checkpoint,
   # so every checkpoint resumes exactly. 0: every step samples with its own weights only.
   c.rollout.off_policy_steps = 0
+  # Decode steps per device call: the host acts (stop checks, tool calls, refills) once per call,
+  # so a slot whose turn ends inside a call idles until the call ends (`ledger_empty_slot_steps`
+  # and bench_step's split). Fewer: busier slots, more host round trips.
+  c.rollout.decode_steps = 8
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 30

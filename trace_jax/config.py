@@ -142,6 +142,7 @@ class RolloutSection:
   stage2_deadline: float
   keep_pool_kv: bool
   off_policy_steps: int = 0
+  decode_steps: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,7 @@ def sampler_config(c: TrainConfig, **overrides):
             max_obs_tokens=c.env.max_obs_tokens, max_turns=c.env.max_turns,
             prefill_chunk=(32, r.prefill_chunk), temperature=r.temperature, top_p=r.top_p,
             top_k=r.top_k, use_tree_attention=r.tree_attention, seed=c.seed,
+            decode_steps=r.decode_steps,
             prompt_mean_features=c.model.predictor_features == "last+prompt_mean")
   return SamplerConfig(**{**kw, **overrides})
 
