@@ -11,7 +11,8 @@ settings=("$@")
                                        trace_tree:batch:op trace_tree:stream:0.25
                                        trace_tree:stream:0.25:op tree_grpo:stream
                                        tree_grpo:stream:op grpo:batch:op:ds4
-                                       trace_tree:stream:0.25:op:ds4 grpo:batch:ds4)
+                                       trace_tree:stream:0.25:op:ds4 grpo:batch:ds4
+                                       tree_grpo:stream:op:ds4 trace_tree:batch:op:ds4)
 mkdir -p results/step_bench_op logs
 for s in "${settings[@]}"; do
   name=$(echo "$s" | tr ':' '_')
