@@ -260,14 +260,19 @@ class SamplerEngine:
     """Stops the rollouts carried ahead and releases their trees; their cost so far moves into
     `ledger` (work done, not used)."""
     uids = {t.uid for t in self._carried}
-    for i, b in enumerate(self.slots):
-      if b is not None and b.tree.uid in uids:
-        b.state.page_refs.append(b.pages)
-        self.slots[i] = None
+    self._unslot(lambda b: b.tree.uid in uids)
     self._ahead_pending = {}
     trees, self._carried = self._carried, []
     self.release(trees)
     self._absorb_ahead_ledger()
+
+  def _unslot(self, which=lambda b: True) -> None:
+    """Takes the branches `which` selects out of their slots, their pages handed to their trees
+    (freed by `release`)."""
+    for i, b in enumerate(self.slots):
+      if b is not None and which(b):
+        b.state.page_refs.append(b.pages)
+        self.slots[i] = None
 
   def _absorb_ahead_ledger(self) -> None:
     for k, v in self.ahead_ledger.as_dict().items():
@@ -555,10 +560,7 @@ class SamplerEngine:
       done = True
     finally:
       if not done:  # an error: hand every branch's pages to its tree for release
-        for i, b in enumerate(self.slots):
-          if b is not None:
-            b.state.page_refs.append(b.pages)
-            self.slots[i] = None
+        self._unslot()
         for st in self._trees.values():
           st.outstanding = 0
         self._ahead_pending, ahead_trees = {}, []
@@ -638,7 +640,7 @@ class SamplerEngine:
 
   def _loop(self, sync_turns, num_workers, sync_refill=False):
     while True:
-      if self._ahead_pending and not self._idle and not self._own_work_left():
+      if not self._idle and not self._own_work_left():
         self._flush_prefill()  # the ahead branches' queued observations: their K/V complete
         return  # this run's trees are done; the ones started ahead stay as they are
       if self._idle:  # the caller's next requests for trees that just finished
