@@ -6,14 +6,21 @@
 #   bash projects/lessons/campaign.sh decide          # world seed 2, warm starts 0 and 1
 #   bash projects/lessons/campaign.sh control         # the negative control and the old world
 #   bash projects/lessons/campaign.sh decide grpo     # one arm of a phase
+#   bash projects/lessons/campaign.sh pilot WORKER    # the reduced comparison (README), WORKER 0|1
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=projects/lessons/results/arms
+RUNS=runs/lessons
 # Run length: GRPO's plateau on the world check (results/world_check_lessons.json) within 200.
 STEPS=${STEPS:-200}
 # Written here after the tune phase and committed before any deciding run (the issue's rule).
 BEST_BETA=${BEST_BETA:-}
+# The pilot's β, fixed before it ran (the config's default, set by the estimates issue before any
+# run on this world); the pilot does not tune.
+PILOT_BETA=0.5
+PILOT_STEPS=100
+PILOT_OUT=projects/lessons/results/pilot
 COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
         --set=rl.steps="$STEPS" --set=eval.every=10)
 # Issue 30's estimates, together (its best arm): tree values from children, the predictor fit
@@ -27,7 +34,7 @@ arm() {  # arm NAME WORLD_SEED WARM_START_SEED [compare.py flags...]
   local tag="w${world}-ws${ws}"
   echo "=== $tag/$name ($(date -u +%H:%M:%S))"
   python launch/compare.py "${COMMON[@]}" --arm="$name" --warm_start_seed="$ws" \
-    --set=world.seed="$world" --runs="runs/lessons/$tag/$name" --out="$OUT/$tag/$name" "$@"
+    --set=world.seed="$world" --runs="$RUNS/$tag/$name" --out="$OUT/$tag/$name" "$@"
 }
 
 decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered arms
@@ -78,7 +85,33 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    *) echo "unknown phase $p (tune, decide, control)"; return 2 ;;
+    pilot)  # the reduced comparison fixed in the README before it ran: world seed 2, warm start
+      # 0, PILOT_STEPS steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned), seeds 0-2.
+      # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
+      # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
+      local worker=${only[0]:-0} jobs k=0
+      jobs=("grpo 1" "trace_best 1" "trace_paper 1" "grpo 2" "trace_best 2" "trace_paper 2"
+            "grpo 3" "trace_best 3" "trace_paper 3")
+      mkdir -p runs/lessons_pilot/claims
+      for j in "${jobs[@]}"; do
+        k=$((k + 1))
+        mkdir "runs/lessons_pilot/claims/$k" 2>/dev/null || continue  # taken by the other worker
+        set -- $j
+        local name=$1 seeds=$2 extra=()
+        case $name in
+          grpo) extra=(--methods=grpo) ;;
+          trace_paper) extra=(--methods=trace_tree) ;;
+          trace_best) extra=(--methods=trace_tree "${BEST[@]}"
+                             --set=rollout.discovery_beta="$PILOT_BETA") ;;
+        esac
+        echo "worker $worker: $name seeds<$seeds"
+        (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
+          flock 9
+          OUT=$PILOT_OUT RUNS=runs/lessons_pilot COMMON[3]=--set=rl.steps=$PILOT_STEPS
+          arm "$name" 2 0 --seeds="$seeds" "${extra[@]}"
+        ) 9>"runs/lessons_pilot/claims/lock_$name"
+      done ;;
+    *) echo "unknown phase $p (tune, decide, control, pilot)"; return 2 ;;
   esac
 }
 
