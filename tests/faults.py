@@ -7,6 +7,8 @@ As a script it is `launch/train.py` with three more flags:
       --nan_steps=2,3              # those RL steps' updates get a NaN loss (the guard must skip)
       --stall=PROCESS:SECONDS      # that process's first environment step stalls SECONDS
       --retriever_errors=PROCESS:COUNT  # that process's first COUNT searches fail
+      --sigterm_step=2             # the process signals itself SIGTERM while packing that step's
+                                   # update (a preemption at a chosen step)
 """
 
 from __future__ import annotations
@@ -79,8 +81,11 @@ def parse_steps(spec: str) -> frozenset:
     raise ValueError(f"--nan_steps={spec!r}: expected comma-separated step numbers") from None
 
 
-def fault_hooks(nan_steps: str = "", stall: str = "", retriever_errors: str = ""):
-  """`trace_jax.train.Hooks` injecting the given faults (empty strings: none)."""
+def fault_hooks(nan_steps: str = "", stall: str = "", retriever_errors: str = "",
+                sigterm_step: int = -1):
+  """`trace_jax.train.Hooks` injecting the given faults (empty strings, -1: none)."""
+  import signal
+
   import jax
   import jax.numpy as jnp
 
@@ -100,10 +105,14 @@ def fault_hooks(nan_steps: str = "", stall: str = "", retriever_errors: str = ""
     return StallOnce(env, float(seconds)) if seconds is not None else env
 
   def poison(step, batch):
+    if step == sigterm_step:
+      print(f"[trace_jax] injected SIGTERM at RL step {step}", flush=True)
+      os.kill(os.getpid(), signal.SIGTERM)
     return dict(batch, adv=batch["adv"] * jnp.float32(jnp.nan)) if step in steps else batch
 
   return Hooks(retriever=fail_searches if retriever_errors else None,
-               env=stall_once if stall else None, batch=poison if steps else None)
+               env=stall_once if stall else None,
+               batch=poison if steps or sigterm_step >= 0 else None)
 
 
 def _main():
@@ -115,9 +124,11 @@ def _main():
   stall = flags.DEFINE_string("stall", "", "PROCESS:SECONDS: that process's first env step stalls")
   errors = flags.DEFINE_string("retriever_errors", "",
                                "PROCESS:COUNT: that process's first COUNT searches fail")
+  sigterm = flags.DEFINE_integer("sigterm_step", -1, "RL step at whose update the process "
+                                 "signals itself SIGTERM (-1: never)")
 
   def main(argv):
-    launch_train.main(argv, fault_hooks(nan.value, stall.value, errors.value))
+    launch_train.main(argv, fault_hooks(nan.value, stall.value, errors.value, sigterm.value))
 
   app.run(main)
 

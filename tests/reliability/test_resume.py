@@ -4,8 +4,9 @@
   duplicate record and a torn line planted in its metrics before the resume, as a `kill -9` between
   a step's metrics and its checkpoint leaves them) equals an uninterrupted 3-step run: the same
   metric records and bit-identical parameters and predictor.
-- With rollouts one step ahead (`rollout.off_policy_steps=1`) a stopped and resumed run equals
-  an uninterrupted one too, and each step's ledger holds its own budget.
+- With rollouts one step ahead (`rollout.off_policy_steps=1`) a run preempted with rollouts in
+  flight resumes from its last checkpoint and equals an uninterrupted one too, and each step's
+  ledger holds its own budget.
 - SIGTERM on 8 simulated devices: the run checkpoints its step, exits 75, and the rerun resumes on
   the same multi-device host and finishes with each step recorded once.
 - lr=nan fails at the config's translation, before anything is built; a NaN loss on every update
@@ -84,15 +85,23 @@ def test_resumed_run_equals_uninterrupted_run(run, tmp_path):
 def test_off_policy_run_resumes_exactly_and_keeps_its_budget(run, tmp_path):
   """Rollouts one step ahead (`rollout.off_policy_steps=1`, streamed stage 2): steps 0 and 2
   start the next step's stage-1 rollouts in their tails, steps 1 and 3 (followed by an evaluation
-  and a checkpoint) do not. A run stopped after step 2 and resumed to 4 equals an uninterrupted
-  4-step run, record for record and bit for bit; every step's ledger holds its own budget, and
-  the adopted steps record how many of their tokens the previous weights generated."""
+  and a checkpoint) do not. A run preempted (SIGTERM) during step 2, with step 3's rollouts in
+  flight, saves nothing over its step-2 checkpoint (it would not hold them), drops them, exits
+  75; resumed, it equals an uninterrupted 4-step run, record for record and bit for bit. Every
+  step's ledger holds its own budget, and the adopted steps record how many of their tokens the
+  previous weights generated."""
   extra = ("--config.rollout.off_policy_steps=1", "--config.rollout.stage2=stream",
            "--config.eval.every=2", "--config.ckpt.every=2")
   whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
-  for workdir, steps in ((whole, 4), (part, 2), (part, 4)):
-    p = launch("train.py", *args_in(run, workdir, steps, *extra))
-    assert p.returncode == 0, p.stdout[-3000:]
+  p = launch("train.py", *args_in(run, whole, 4, *extra))
+  assert p.returncode == 0, p.stdout[-3000:]
+  p = launch("tests/faults.py", *args_in(run, part, 4, *extra, "--sigterm_step=2"))
+  assert p.returncode == 75, p.stdout[-3000:]
+  assert "SIGTERM" in p.stdout and "checkpointed step 2" in p.stdout, p.stdout[-3000:]
+  ckpts = sorted(int(s) for s in os.listdir(os.path.join(part, "checkpoints")) if s.isdigit())
+  assert ckpts == [2], ckpts
+  p = launch("train.py", *args_in(run, part, 4, *extra))
+  assert p.returncode == 0, p.stdout[-3000:]
   assert "resumed at step 2" in p.stdout
   recs = records(whole)
   assert records(part) == recs
