@@ -90,26 +90,29 @@ phase() {
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0
-      jobs=("grpo 1" "trace_best 1" "trace_paper 1" "grpo 2" "trace_best 2" "trace_paper 2"
-            "grpo 3" "trace_best 3" "trace_paper 3")
+      jobs=("grpo 1 0" "trace_best 1 0" "trace_paper 1 0" "grpo 2 0" "trace_best 2 0"
+            "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
+            # The extension (README): warm start 1, seeds 0-1.
+            "grpo 1 1" "trace_best 1 1" "trace_paper 1 1" "grpo 2 1" "trace_best 2 1"
+            "trace_paper 2 1")
       mkdir -p runs/lessons_pilot/claims
       for j in "${jobs[@]}"; do
         k=$((k + 1))
         mkdir "runs/lessons_pilot/claims/$k" 2>/dev/null || continue  # taken by the other worker
         set -- $j
-        local name=$1 seeds=$2 extra=()
+        local name=$1 seeds=$2 ws=${3:-0} extra=()
         case $name in
           grpo) extra=(--methods=grpo) ;;
           trace_paper) extra=(--methods=trace_tree) ;;
           trace_best) extra=(--methods=trace_tree "${BEST[@]}"
                              --set=rollout.discovery_beta="$PILOT_BETA") ;;
         esac
-        echo "worker $worker: $name seeds<$seeds"
+        echo "worker $worker: $name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
           OUT=$PILOT_OUT RUNS=runs/lessons_pilot COMMON[3]=--set=rl.steps=$PILOT_STEPS
-          arm "$name" 2 0 --seeds="$seeds" "${extra[@]}"
-        ) 9>"runs/lessons_pilot/claims/lock_$name"
+          arm "$name" 2 "$ws" --seeds="$seeds" "${extra[@]}"
+        ) 9>"runs/lessons_pilot/claims/lock_${name}_$ws"
       done ;;
     *) echo "unknown phase $p (tune, decide, control, pilot)"; return 2 ;;
   esac
