@@ -52,6 +52,9 @@ _STEPS = flags.DEFINE_integer("steps", 6, "measured RL steps per setting")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "RL steps before measuring (compilation)")
 _NO_TIMING = flags.DEFINE_bool("no_timing", False, "leave the seconds out (a busy machine)")
 _OUT = flags.DEFINE_string("out", "results/step_bench", "output stem")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", "", "XLA's persistent compilation cache directory (train.use_compile_cache); "
+    "empty: off. Run a setting twice on one directory to see what a machine's second run compiles")
 
 _COMPILES = None  # trace_jax.diagnostics.CompileCounter, started in main
 
@@ -77,8 +80,10 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
   c.workdir = (f"/tmp/bench_step/{method}-{stage2}-{deadline}-{keep}-{off_policy}-"
                f"{c.rollout.decode_steps}")
   c = mhqa.validate(c)
+  n0, s0 = _COMPILES.n, _COMPILES.s
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
+  setup = dict(setup_compiles=_COMPILES.n - n0, setup_compile_s=round(_COMPILES.s - s0, 2))
   recs, compiles, compile_s = [], [], []
   for _ in range(warmup + steps):
     n0, s0 = _COMPILES.n, _COMPILES.s
@@ -114,7 +119,9 @@ def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
               stage2_last_share=med("stage2_last_share"),
               sample_s=med("sample_seconds"), update_s=med("update_seconds"),
               # Per step from the first (warm-up included): XLA compilations and their seconds.
-              compiles_by_step=compiles, compile_s_by_step=compile_s)
+              compiles_by_step=compiles, compile_s_by_step=compile_s,
+              # Build and warm-start probe (every method compiles its sampler and head there).
+              **setup)
 
 
 def main(argv):
@@ -122,6 +129,8 @@ def main(argv):
   global _COMPILES
   from trace_jax.diagnostics import CompileCounter
   _COMPILES = CompileCounter().start()
+  from trace_jax.train import use_compile_cache
+  cache = use_compile_cache(_COMPILE_CACHE.value)
   rows = []
   for setting in _SETTINGS.value.split(","):
     method, stage2, *rest = setting.split(":")
@@ -137,7 +146,7 @@ def main(argv):
     print(json.dumps(row), flush=True)
   out = dict(command="python benchmarks/bench_step.py " + " ".join(sys.argv[1:]),
              machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-             config=_CONFIG.value, timing=not _NO_TIMING.value, runs=rows)
+             config=_CONFIG.value, timing=not _NO_TIMING.value, compile_cache=cache, runs=rows)
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value + ".json", "w") as f:
     json.dump(out, f, indent=1)

@@ -28,6 +28,10 @@ EXIT_PREEMPTED, EXIT_DIVERGED = 75, 70
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default: a new folder in runs/)")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", os.path.join("cache", "xla"),
+    "directory of XLA's persistent compilation cache (shared by every run on the machine, so only "
+    "the first run of a shape compiles it); empty: off. JAX_COMPILATION_CACHE_DIR, when set, wins")
 
 
 def main(argv, hooks=None):
@@ -37,10 +41,11 @@ def main(argv, hooks=None):
   del argv
   import convert  # configs/convert.py: ConfigDict -> the library's TrainConfig
 
-  from trace_jax.train import Diverged, Preempted, train
+  from trace_jax.train import Diverged, Preempted, train, use_compile_cache
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)  # checkpoint libraries log every save at INFO
+  use_compile_cache(_COMPILE_CACHE.value)
   c = _CONFIG.value
   if _WORKDIR.value:
     c.workdir = _WORKDIR.value

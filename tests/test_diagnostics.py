@@ -1,5 +1,6 @@
 """Why a synthetic-world rollout failed (`diagnostics.classify_failure`), on hand-made trees."""
 
+import os
 import types
 
 import pytest
@@ -84,3 +85,39 @@ def test_trap_allocation_splits_the_step_by_trap_hop():
             retriever=None)
   assert Assets(world=WORLD, **kw).step_diagnostics(pool, [trap, plain]) == out
   assert Assets(**kw).step_diagnostics(pool, [trap, plain]) == {}  # real data: nothing
+
+
+_CACHED_JIT = """
+import os, sys
+import jax, jax.numpy as jnp
+from trace_jax.diagnostics import CompileCounter
+from trace_jax.train import use_compile_cache
+used = use_compile_cache(sys.argv[1], min_compile_s=0.0)
+with CompileCounter() as cc:
+  y = jax.jit(lambda x: jnp.tanh(x) @ x.T + 1.5)(jnp.ones((8, 8)))
+print(used == os.path.abspath(sys.argv[1]), cc.n, float(y[0, 0]))
+"""
+
+
+def test_compile_cache_lets_a_second_process_skip_compiling(tmp_path, monkeypatch):
+  """`train.use_compile_cache` (launch/train.py's --compile_cache): the first process compiles
+  and stores the program, a second one with the same directory loads it (no backend compile,
+  same result); an empty path or JAX_COMPILATION_CACHE_DIR leaves the cache alone."""
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["JAX_PLATFORMS"] = "cpu"
+  cache = str(tmp_path / "xla")
+  run = lambda: subprocess.run([sys.executable, "-c", _CACHED_JIT, cache], env=env,  # noqa: E731
+                               capture_output=True, text=True, timeout=120,
+                               cwd=os.path.join(os.path.dirname(__file__), ".."))
+  first, second = run(), run()
+  assert first.returncode == 0 == second.returncode, first.stderr[-2000:] + second.stderr[-2000:]
+  used1, n1, y1 = first.stdout.split()
+  used2, n2, y2 = second.stdout.split()
+  assert used1 == used2 == "True" and int(n1) >= 1 and int(n2) == 0 and y1 == y2
+  assert os.listdir(cache)
+  from trace_jax.train import use_compile_cache
+  assert use_compile_cache("") is None
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+  assert use_compile_cache(str(tmp_path / "other")) is None and not (tmp_path / "other").exists()

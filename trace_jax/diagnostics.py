@@ -266,28 +266,40 @@ def _choice_probs(graphdef, params, hidden, cand) -> np.ndarray:
 
 
 class CompileCounter:
-  """XLA backend compilations seen while it is registered (`n`) and their seconds (`s`): for
-  benchmarks that report what each step compiles. `with CompileCounter() as cc: ...`, or
-  `start()` once for a whole script."""
+  """XLA compilations seen while it is registered (`n`), programs loaded from the persistent
+  compilation cache instead (`hits`), and the seconds of both (`s`: a load is counted in the
+  backend-compile event it replaces): for benchmarks that report what each step compiles.
+  `with CompileCounter() as cc: ...`, or `start()` once for a whole script."""
 
   EVENT = "/jax/core/compile/backend_compile_duration"
+  HIT = "/jax/compilation_cache/cache_hits"
 
   def __init__(self):
-    self.n, self.s = 0, 0.0
+    self.events, self.hits, self.s = 0, 0, 0.0
+
+  @property
+  def n(self) -> int:
+    return self.events - self.hits
 
   def _on(self, event, duration, **_):
     if event == self.EVENT:
-      self.n += 1
+      self.events += 1
       self.s += float(duration)
+
+  def _on_event(self, event, **_):
+    if event == self.HIT:
+      self.hits += 1
 
   def start(self) -> "CompileCounter":
     import jax
     jax.monitoring.register_event_duration_secs_listener(self._on)
+    jax.monitoring.register_event_listener(self._on_event)
     return self
 
   def stop(self) -> None:
     import jax
     jax.monitoring.unregister_event_duration_listener(self._on)
+    jax.monitoring.unregister_event_listener(self._on_event)
 
   def __enter__(self):
     return self.start()

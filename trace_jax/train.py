@@ -820,6 +820,22 @@ def train(c: TrainConfig, hooks: Hooks | None = None, assets=None) -> dict:
     return summary
 
 
+def use_compile_cache(path: str, min_compile_s: float = 0.5) -> str | None:
+  """Turns on XLA's persistent compilation cache under `path`; call it before anything compiles.
+  A compiled function is stored on disk and the next process that needs the same computation
+  loads it instead of compiling, so only a machine's first run of a shape pays for it (a
+  campaign's runs share every shape). What a run computes does not change (the same program is
+  loaded), so resume stays exact. Returns the directory used, or None when `path` is empty or
+  JAX_COMPILATION_CACHE_DIR is set (the environment wins)."""
+  if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return None
+  path = os.path.abspath(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
+  return path
+
+
 def step_prompts(c: TrainConfig) -> int:
   """Prompts drawn per RL step: what the method's strategy asks for (a candidate pool for the
   predicted roots, an oversampled set for dapo, else `rollout.prompts_per_step`)."""
@@ -829,4 +845,4 @@ def step_prompts(c: TrainConfig) -> int:
 __all__ = ["Diverged", "Hooks", "LoopState", "Preempted", "Run", "build", "check_divergence",
            "evaluate_step", "finish", "init_state", "make_predictor", "probe_warm_start",
            "restore", "sample_step", "save", "start", "step_examples", "step_prompts", "train",
-           "update_rows", "update_step"]
+           "update_rows", "update_step", "use_compile_cache"]
