@@ -1,7 +1,7 @@
 """The lessons campaign's deciding figures, from every arm `campaign.sh` ran.
 
   python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
-      [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000]
+      [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000] [--cells w2-ws0]
 
 Reads each `<arms>/<w{world}-ws{warm}>/<arm>/summary.json` (compare.py's schema) and its archived
 per-step records, and writes to `--out`:
@@ -121,10 +121,11 @@ def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) 
               n_warm_starts=len(wss))
 
 
-def load_runs(arms_dir: str) -> list[dict]:
-  """Every run of every arm: its compare.py row plus its evaluation curve and records."""
+def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
+  """Every run of every arm in the cells (`w{world}-ws{warm}` folders) matching `cells`: its
+  compare.py row plus its evaluation curve and records."""
   runs = []
-  for path in sorted(glob.glob(os.path.join(arms_dir, "*", "*", "summary.json"))):
+  for path in sorted(glob.glob(os.path.join(arms_dir, cells, "*", "summary.json"))):
     out_dir = os.path.dirname(path)
     tag = os.path.basename(os.path.dirname(out_dir))
     summary = read_summary(out_dir)
@@ -317,8 +318,9 @@ def main(argv=None) -> None:
                                                "lessons"))
   p.add_argument("--reference", default="grpo")
   p.add_argument("--boot", type=int, default=10000)
+  p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
   a = p.parse_args(argv)
-  runs = load_runs(a.arms)
+  runs = load_runs(a.arms, a.cells)
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
   result = table(runs, a.reference, a.boot)
