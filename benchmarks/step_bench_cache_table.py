@@ -39,13 +39,13 @@ def main() -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 3.5))
-  labels = [f"{r['setting']}\n{r['pass']}" for r in rows]
+  labels = [" ".join(r["setting"].split("_")) + "\n" + r["pass"] for r in rows]
   setup = [r["setup_compile_s"] for r in rows]
   steps = [sum(r["compile_s_by_step"][:2]) for r in rows]
   ax.bar(labels, setup, label="setup (build, warm-start probe)", color="tab:grey")
   ax.bar(labels, steps, bottom=setup, label="RL steps 0-1", color="tab:orange")
   ax.set(ylabel="compilation seconds")
-  ax.tick_params(axis="x", labelsize=7)
+  ax.tick_params(axis="x", labelsize=7, rotation=20)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(stem + ".png", dpi=110)
