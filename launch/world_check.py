@@ -23,6 +23,8 @@ Parts (each adds its keys to `--out`, a JSON file that keeps the other parts' ke
              moves (`lesson_choice_probs`: teacher-forced on the oracle's held-out traces) and, at
              most, any other's (`independence_max_other_shift`); a first version measured the
              fact-verb share of greedy searches, which flips wholesale for lessons near one half;
+             `--independence_replay` mixes that share of rows from the other questions' expert
+             traces into the teaching, so that forgetting is not read as sharing;
   grpo       GRPO runs of `--seeds` (one warm start: sft.seed 0 unless given; a run resumes when
              its workdir exists), then from their held-out
              curves: `grpo_em50_over_final` (EM at step 50 over final EM, median over seeds),
@@ -65,6 +67,10 @@ _GROUP = flags.DEFINE_integer("group", 8, "samples per prompt for the mixed shar
 _MIXED_PROMPTS = flags.DEFINE_integer("mixed_prompts", 256, "train prompts sampled (warm_start)")
 _IND_LESSONS = flags.DEFINE_integer("independence_lessons", 3, "lessons taught (independence)")
 _IND_STEPS = flags.DEFINE_integer("independence_steps", 150, "SFT steps a lesson (independence)")
+_IND_REPLAY = flags.DEFINE_float(
+    "independence_replay", 0.0, "share of the teaching rows that replay the warm start's own "
+    "expert traces of the other questions (0: the taught lesson's questions only); separates "
+    "forgetting under a narrow fine-tune from lessons that share something")
 
 
 def _typed(cdict):
@@ -178,6 +184,21 @@ def lesson_choice_probs(run, params, examples, chunk: int = 64) -> dict:
   return probs(run.graphdef, params, run.assets, examples, chunk)
 
 
+def _with_replay(packed: dict, c, assets, world, lesson: str, n_taught: int, share: float) -> dict:
+  """`packed` rows plus rows of the warm start's expert traces (the untaught world) of the
+  questions without `lesson`, about `share` of all rows (shuffled together)."""
+  from trace_jax.assets import warm_start_data
+  if not 0 < share < 1:
+    raise ValueError(f"--independence_replay={share} must be in (0, 1) (0: no replay)")
+  others = [e for e in world.train if lesson not in e.meta["relations"]]
+  _, rep = warm_start_data(c, assets, num_traces=max(1, round(n_taught * share / (1 - share))),
+                           examples=others)
+  n = packed["tokens"].shape[0]
+  rows = {k for k, v in packed.items() if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == n}
+  order = np.random.default_rng(0).permutation(n + rep["tokens"].shape[0])
+  return {k: (np.concatenate([v, rep[k]])[order] if k in rows else v) for k, v in packed.items()}
+
+
 def independence_part(c) -> dict:
   """Teaches single lessons on top of the warm start and measures every lesson before and after:
   the policy's probability of the fact verb at each hop of the oracle's held-out traces
@@ -211,9 +232,11 @@ def independence_part(c) -> dict:
     taught = dataclasses.replace(world, lessons={**world.lessons,
                                                  k: dict(world.lessons[k], expert_rate=1.0)})
     examples = [e for e in world.train if k in e.meta["relations"]]
+    n_taught = min(c.sft.num_traces, 40 * len(examples))
     _, packed = warm_start_data(c, dataclasses.replace(run.assets, world=taught),
-                                num_traces=min(c.sft.num_traces, 40 * len(examples)),
-                                examples=examples)
+                                num_traces=n_taught, examples=examples)
+    if _IND_REPLAY.value > 0:
+      packed = _with_replay(packed, c, run.assets, world, k, n_taught, _IND_REPLAY.value)
     cfg = SFTConfig(steps=_IND_STEPS.value, batch_rows=c.sft.batch_rows, lr=c.sft.lr / 3,
                     warmup=10, min_lr_ratio=c.sft.min_lr_ratio)
     start = jax.tree.map(jnp.copy, run.init_params)  # sft_train donates what it is given
@@ -222,6 +245,7 @@ def independence_part(c) -> dict:
     other = {r: after[r] - base[r] for r in base if r != k and r in after}
     worst = max(other, key=lambda r: abs(other[r])) if other else None
     out["taught"][k] = dict(before=base[k], after=after[k], em_after=em,
+                            replay=_IND_REPLAY.value, rows=int(packed["tokens"].shape[0]),
                             max_other_shift=abs(other[worst]) if worst else float("nan"),
                             max_other_lesson=worst, others_measured=len(other),
                             mean_abs_other_shift=float(np.mean(np.abs(list(other.values()))))

@@ -271,3 +271,45 @@ print(json.dumps(out))
   assert out["discovery_never_found"] == 1
   assert out["discovery_iqr_steps_censored"] == float(np.subtract(*np.percentile(
       [10, 20, 30, 31], [75, 25])))
+
+
+def test_independence_replay_mixes_the_other_questions_rows_in():
+  """world_check's `--independence_replay`: the taught rows stay, the replayed ones come from the
+  untaught world's questions without the lesson, about the share asked (a process of its own, as
+  above)."""
+  code = """
+import json, sys, types
+import numpy as np
+sys.path.insert(0, "launch")
+import trace_jax.assets as A
+from world_check import _with_replay
+seen = {}
+def fake(c, assets, num_traces=None, examples=None):
+  seen.update(n=num_traces, examples=[e.meta["relations"] for e in examples], world=assets.world)
+  rows = np.full((num_traces, 4), 7, np.int32)
+  return [], dict(tokens=rows, positions=rows.copy(), truncated=3)
+A.warm_start_data = fake
+ex = lambda *r: types.SimpleNamespace(meta=dict(relations=list(r)))
+world = types.SimpleNamespace(train=[ex("k", "p"), ex("m"), ex("p", "q"), ex("k")])
+taught = dict(tokens=np.arange(12, dtype=np.int32).reshape(3, 4), positions=np.zeros((3, 4),
+              np.int32), truncated=1)
+out = _with_replay(taught, None, types.SimpleNamespace(world=world), world, "k", 3, 0.5)
+taught_rows = sorted(int(r[0]) for r in out["tokens"] if r[0] != 7)
+bad = []
+for share in (0.0, 1.0):
+  try:
+    _with_replay(taught, None, None, world, "k", 3, share)
+  except ValueError:
+    bad.append(share)
+print(json.dumps(dict(n=seen["n"], examples=seen["examples"], rows=len(out["tokens"]),
+                      pos=len(out["positions"]), taught=taught_rows, truncated=out["truncated"],
+                      bad=bad)))
+"""
+  import subprocess
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     timeout=120)
+  assert p.returncode == 0, p.stderr[-2000:]
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  assert out["n"] == 3 and out["examples"] == [["m"], ["p", "q"]]  # no question with lesson k
+  assert out["rows"] == out["pos"] == 6 and out["taught"] == [0, 4, 8] and out["truncated"] == 1
+  assert out["bad"] == [0.0, 1.0]
