@@ -101,6 +101,27 @@ def seconds_to_reach(curve: list[dict], records: list[dict], target: float) -> f
                    if "sample_seconds" in r and r.get("step", 0) <= hit))
 
 
+def budget_use(records: list[dict]) -> dict:
+  """Where a run's budget went, as means over its RL steps: the share of stage-1 trees with mixed
+  outcomes (`stage1_mixed`), the share of the step's rollouts that are stage-2 continuations,
+  the sampled success rate, and how much harder (lower p̂) the prompts the pool selected were
+  than those it left out (TRACE arms; nan where a method has no such figure)."""
+  steps = [r for r in records if "effective_ratio" in r]
+
+  def mean(fn):
+    v = [fn(r) for r in steps]
+    v = [x for x in v if x is not None and np.isfinite(x)]
+    return float(np.mean(v)) if v else float("nan")
+
+  return dict(
+      stage1_mixed=mean(lambda r: r.get("stage1_mixed")),
+      stage2_rollout_share=mean(lambda r: r.get("continuations", 0) / max(
+          r.get("stage1_leaves", 0) + r.get("continuations", 0), 1)),
+      sampled_success=mean(lambda r: r.get("reward_mean")),
+      pool_p_hat_gap=mean(lambda r: r["pool_p_hat_selected"] - r["pool_p_hat_left_out"]
+                          if "pool_p_hat_selected" in r and "pool_p_hat_left_out" in r else None))
+
+
 def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dict:
   """Difference of means (arm - ref) with a 95% interval. `arm`, `ref`: {warm start: [per-seed
   values]}. Each replicate draws warm starts with replacement (shared by both arms: they start
@@ -159,6 +180,7 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
       r["seconds_per_step"] = seconds_per_step(r["records"])
       r["seconds_to_reference_final"] = seconds_to_reach(c, r["records"], ref_final)
       r["discovery"] = discovery(c)
+      r.update(budget_use(r["records"]))
     by_arm = {}
     for r in rs:
       by_arm.setdefault(r["arm"], []).append(r)
@@ -168,7 +190,8 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
       for k in ("em_at_equal_tokens", "em_curve_mean", "effective_ratio",
                 "lessons_learned_half", "lessons_learned_all", "fact_verb_lessons_half",
                 "fact_verb_lessons_all", "seconds_per_step", "seconds_to_reference_final",
-                "generated_tokens"):
+                "generated_tokens", "stage1_mixed", "stage2_rollout_share", "sampled_success",
+                "pool_p_hat_gap"):
         v = [float(r[k]) for r in ars if r.get(k) is not None and np.isfinite(float(r[k]))]
         agg[k] = float(np.mean(v)) if v else None
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
@@ -223,6 +246,13 @@ def markdown(result: dict) -> str:
         f"{f(a['fact_verb_lessons_all'], 1)} | {f(a.get('lessons_half_ratio'), 2)} | "
         f"{f(a['effective_ratio'])} | {f(a['seconds_per_step'], 1)} | "
         f"{f(a['seconds_to_reference_final'], 0)} | {f(a['generated_tokens'], 0)} |")
+  lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
+            "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
+            "sampled success | p̂ selected - left out |", "|" + "---|" * 7]
+  for a in result["arms"]:
+    lines.append(f"| {a['setting']} | {a['world_seed']} | {a['arm']} | {f(a['stage1_mixed'])} | "
+                 f"{f(a['stage2_rollout_share'])} | {f(a['sampled_success'])} | "
+                 f"{f(a['pool_p_hat_gap'])} |")
   return "\n".join(lines) + "\n"
 
 
