@@ -94,7 +94,9 @@ phase() {
             "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
             # The extension (README): warm start 1, seeds 0-1.
             "grpo 1 1" "trace_best 1 1" "trace_paper 1 1" "grpo 2 1" "trace_best 2 1"
-            "trace_paper 2 1")
+            "trace_paper 2 1"
+            # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
+            "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
       mkdir -p runs/lessons_pilot/claims
       for j in "${jobs[@]}"; do
         k=$((k + 1))
