@@ -91,6 +91,9 @@ def test_main_writes_the_campaign_summary(tmp_path):
   best = next(a for a in s["arms"] if a["arm"] == "trace_best")
   assert best["vs_reference"]["diff"] > 0 and best["vs_reference"]["n_warm_starts"] == 2
   assert best["seconds_per_step"] == 3.0 and best["runs"] == 4
+  # The one lesson (fact-verb share 0.2 at step 0) is found in every run.
+  assert all(r["lessons_unknown_at_start"] == 1 == r["lessons_found"] for r in s["runs"])
+  assert "lessons found / unknown at step 0" in (out / "summary.md").read_text()
   for name in ("summary.md", "em_vs_tokens.png", "lessons_learned.png", "discovery.png",
                "wall_clock.png"):
     assert (out / name).stat().st_size > 0, name

@@ -180,6 +180,9 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
       r["seconds_per_step"] = seconds_per_step(r["records"])
       r["seconds_to_reference_final"] = seconds_to_reach(c, r["records"], ref_final)
       r["discovery"] = discovery(c)
+      r["lessons_unknown_at_start"] = sum(
+          1 for k, v in (c[0] if c else {}).items() if k.startswith("eval_fact_verb/") and v <= 0.5)
+      r["lessons_found"] = len(r["discovery"])
       r.update(budget_use(r["records"]))
     by_arm = {}
     for r in rs:
@@ -191,7 +194,7 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
                 "lessons_learned_half", "lessons_learned_all", "fact_verb_lessons_half",
                 "fact_verb_lessons_all", "seconds_per_step", "seconds_to_reference_final",
                 "generated_tokens", "stage1_mixed", "stage2_rollout_share", "sampled_success",
-                "pool_p_hat_gap"):
+                "pool_p_hat_gap", "lessons_unknown_at_start", "lessons_found"):
         v = [float(r[k]) for r in ars if r.get(k) is not None and np.isfinite(float(r[k]))]
         agg[k] = float(np.mean(v)) if v else None
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
@@ -248,11 +251,13 @@ def markdown(result: dict) -> str:
         f"{f(a['seconds_to_reference_final'], 0)} | {f(a['generated_tokens'], 0)} |")
   lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
             "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
-            "sampled success | p̂ selected - left out |", "|" + "---|" * 7]
+            "sampled success | p̂ selected - left out | lessons found / unknown at step 0 |",
+            "|" + "---|" * 8]
   for a in result["arms"]:
     lines.append(f"| {a['setting']} | {a['world_seed']} | {a['arm']} | {f(a['stage1_mixed'])} | "
                  f"{f(a['stage2_rollout_share'])} | {f(a['sampled_success'])} | "
-                 f"{f(a['pool_p_hat_gap'])} |")
+                 f"{f(a['pool_p_hat_gap'])} | {f(a['lessons_found'], 1)} / "
+                 f"{f(a['lessons_unknown_at_start'], 1)} |")
   return "\n".join(lines) + "\n"
 
 
