@@ -7,6 +7,7 @@
 #   bash projects/lessons/campaign.sh control         # the negative control and the old world
 #   bash projects/lessons/campaign.sh decide grpo     # one arm of a phase
 #   bash projects/lessons/campaign.sh pilot WORKER    # the reduced comparison (README), WORKER 0|1
+#   bash projects/lessons/campaign.sh pilot_control WORKER   # its negative control
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -85,22 +86,32 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    pilot)  # the reduced comparison fixed in the README before it ran: world seed 2, warm start
-      # 0, PILOT_STEPS steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned), seeds 0-2.
+    pilot|pilot_control)
+      # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
+      # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
+      # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
+      # grpo and trace_paper, warm start 0, seeds 0-1 (fixed in the README before it ran).
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
-      local worker=${only[0]:-0} jobs k=0
-      jobs=("grpo 1 0" "trace_best 1 0" "trace_paper 1 0" "grpo 2 0" "trace_best 2 0"
-            "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
-            # The extension (README): warm start 1, seeds 0-1.
-            "grpo 1 1" "trace_best 1 1" "trace_paper 1 1" "grpo 2 1" "trace_best 2 1"
-            "trace_paper 2 1"
-            # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
-            "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
-      mkdir -p runs/lessons_pilot/claims
+      local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
+      if [ "$p" = pilot ]; then
+        jobs=("grpo 1 0" "trace_best 1 0" "trace_paper 1 0" "grpo 2 0" "trace_best 2 0"
+              "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
+              # The extension (README): warm start 1, seeds 0-1.
+              "grpo 1 1" "trace_best 1 1" "trace_paper 1 1" "grpo 2 1" "trace_best 2 1"
+              "trace_paper 2 1"
+              # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
+              "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
+      else
+        jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0")
+        claims=runs/lessons_pilot/claims_control prefix=control_
+        world=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.55
+               --set=world.expert_rate_hi=0.55)
+      fi
+      mkdir -p "$claims"
       for j in "${jobs[@]}"; do
         k=$((k + 1))
-        mkdir "runs/lessons_pilot/claims/$k" 2>/dev/null || continue  # taken by the other worker
+        mkdir "$claims/$k" 2>/dev/null || continue  # taken by the other worker
         set -- $j
         local name=$1 seeds=$2 ws=${3:-0} extra=()
         case $name in
@@ -109,14 +120,14 @@ phase() {
           trace_best) extra=(--methods=trace_tree "${BEST[@]}"
                              --set=rollout.discovery_beta="$PILOT_BETA") ;;
         esac
-        echo "worker $worker: $name seeds<$seeds warm start $ws"
+        echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
           OUT=$PILOT_OUT RUNS=runs/lessons_pilot COMMON[3]=--set=rl.steps=$PILOT_STEPS
-          arm "$name" 2 "$ws" --seeds="$seeds" "${extra[@]}"
-        ) 9>"runs/lessons_pilot/claims/lock_${name}_$ws"
+          arm "$prefix$name" 2 "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
+        ) 9>"$claims/lock_${name}_$ws"
       done ;;
-    *) echo "unknown phase $p (tune, decide, control, pilot)"; return 2 ;;
+    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control)"; return 2 ;;
   esac
 }
 
