@@ -2,6 +2,7 @@
 
   python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
       [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000] [--cells w2-ws0]
+      [--settings decide]
 
 Reads each `<arms>/<w{world}-ws{warm}>/<arm>/summary.json` (compare.py's schema) and its archived
 per-step records, and writes to `--out`:
@@ -354,8 +355,12 @@ def main(argv=None) -> None:
   p.add_argument("--reference", default="grpo")
   p.add_argument("--boot", type=int, default=10000)
   p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
+  p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
+                 "control, old; default: all)")
   a = p.parse_args(argv)
   runs = load_runs(a.arms, a.cells)
+  if a.settings:
+    runs = [r for r in runs if _setting(r["arm"]) in a.settings.split(",")]
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
   result = table(runs, a.reference, a.boot)
