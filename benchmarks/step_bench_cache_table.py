@@ -20,8 +20,7 @@ def main() -> None:
   p.add_argument("--dir", default="results/step_bench_cache")
   a = p.parse_args()
   rows = []
-  for path in sorted(glob.glob(os.path.join(a.dir, "*-cold.json")) +
-                     glob.glob(os.path.join(a.dir, "*-warm.json"))):
+  for path in glob.glob(os.path.join(a.dir, "*-*.json")):
     setting, pas = os.path.basename(path)[:-5].rsplit("-", 1)
     for r in json.load(open(path))["runs"]:
       rows.append(dict(setting=setting, **{"pass": pas}, **{

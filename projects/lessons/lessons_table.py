@@ -71,15 +71,16 @@ def lessons_at(curve: list[dict], tokens: float, prefix: str = "eval_em_group/")
   return _count_above(within[-1], prefix) if within else None
 
 
+def unknown_at_start(curve: list[dict]) -> list[str]:
+  """Lessons whose fact-verb share is at or below 0.5 at the first evaluation (step 0)."""
+  return [k.split("/", 1)[1] for k, v in (curve[0] if curve else {}).items()
+          if k.startswith("eval_fact_verb/") and v <= 0.5]
+
+
 def discovery(curve: list[dict]) -> dict:
   """{lesson: step its fact-verb share first passes 0.5}, lessons at or below 0.5 at step 0."""
-  if not curve:
-    return {}
-  first = {k.split("/", 1)[1]: v for k, v in curve[0].items() if k.startswith("eval_fact_verb/")}
   out = {}
-  for lesson, v0 in first.items():
-    if v0 > 0.5:
-      continue
+  for lesson in unknown_at_start(curve):
     hit = [r["step"] for r in curve if r.get(f"eval_fact_verb/{lesson}", 0.0) > 0.5]
     if hit:
       out[lesson] = int(hit[0])
@@ -181,8 +182,7 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
       r["seconds_per_step"] = seconds_per_step(r["records"])
       r["seconds_to_reference_final"] = seconds_to_reach(c, r["records"], ref_final)
       r["discovery"] = discovery(c)
-      r["lessons_unknown_at_start"] = sum(
-          1 for k, v in (c[0] if c else {}).items() if k.startswith("eval_fact_verb/") and v <= 0.5)
+      r["lessons_unknown_at_start"] = len(unknown_at_start(c))
       r["lessons_found"] = len(r["discovery"])
       r.update(budget_use(r["records"]))
     by_arm = {}
