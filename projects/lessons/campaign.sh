@@ -8,6 +8,7 @@
 #   bash projects/lessons/campaign.sh decide grpo     # one arm of a phase
 #   bash projects/lessons/campaign.sh pilot WORKER    # the reduced comparison (README), WORKER 0|1
 #   bash projects/lessons/campaign.sh pilot_control WORKER   # its negative control
+#   bash projects/lessons/campaign.sh ablate WORKER   # trace_best's changes one at a time (README)
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,11 +87,13 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    pilot|pilot_control)
+    pilot|pilot_control|ablate)
       # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
       # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
       # grpo and trace_paper, warm start 0, seeds 0-1 (fixed in the README before it ran).
+      # ablate: trace_paper plus one of trace_best's changes at a time, on the cell where the
+      # combination lost (world seed 2, warm start 1), seeds 0-1 then 2 (README).
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
@@ -102,6 +105,11 @@ phase() {
               "trace_paper 2 1"
               # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
               "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
+      elif [ "$p" = ablate ]; then
+        jobs=("ablate_children 1 1" "ablate_fit 1 1" "ablate_discovery 1 1" "ablate_children 2 1"
+              "ablate_fit 2 1" "ablate_discovery 2 1" "ablate_children 3 1" "ablate_fit 3 1"
+              "ablate_discovery 3 1")
+        claims=runs/lessons_pilot/claims_ablate
       else
         jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0")
         claims=runs/lessons_pilot/claims_control prefix=control_
@@ -119,6 +127,10 @@ phase() {
           trace_paper) extra=(--methods=trace_tree) ;;
           trace_best) extra=(--methods=trace_tree "${BEST[@]}"
                              --set=rollout.discovery_beta="$PILOT_BETA") ;;
+          ablate_children) extra=(--methods=trace_tree "${BEST[0]}") ;;
+          ablate_fit) extra=(--methods=trace_tree "${BEST[@]:1:3}") ;;
+          ablate_discovery) extra=(--methods=trace_tree "${BEST[4]}"
+                                   --set=rollout.discovery_beta="$PILOT_BETA") ;;
         esac
         echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
@@ -127,7 +139,7 @@ phase() {
           arm "$prefix$name" 2 "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
         ) 9>"$claims/lock_${name}_$ws"
       done ;;
-    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control)"; return 2 ;;
+    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate)"; return 2 ;;
   esac
 }
 
