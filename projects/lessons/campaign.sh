@@ -92,8 +92,9 @@ phase() {
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
       # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
       # grpo and trace_paper, warm start 0, seeds 0-1 (fixed in the README before it ran).
-      # ablate: trace_paper plus one of trace_best's changes at a time, on the cell where the
-      # combination lost (world seed 2, warm start 1), seeds 0-1 then 2 (README).
+      # ablate: trace_paper plus one of trace_best's two changes (the fit, the discovery
+      # objective), on the cell where the combination lost (world seed 2, warm start 1), seeds
+      # 0-1 then 2 (README). Children values are every arm's default, trace_paper's too.
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
@@ -106,9 +107,8 @@ phase() {
               # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
               "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
       elif [ "$p" = ablate ]; then
-        jobs=("ablate_children 1 1" "ablate_fit 1 1" "ablate_discovery 1 1" "ablate_children 2 1"
-              "ablate_fit 2 1" "ablate_discovery 2 1" "ablate_children 3 1" "ablate_fit 3 1"
-              "ablate_discovery 3 1")
+        jobs=("ablate_fit 1 1" "ablate_discovery 1 1" "ablate_fit 2 1" "ablate_discovery 2 1"
+              "ablate_fit 3 1" "ablate_discovery 3 1")
         claims=runs/lessons_pilot/claims_ablate
       else
         jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0")
@@ -127,7 +127,6 @@ phase() {
           trace_paper) extra=(--methods=trace_tree) ;;
           trace_best) extra=(--methods=trace_tree "${BEST[@]}"
                              --set=rollout.discovery_beta="$PILOT_BETA") ;;
-          ablate_children) extra=(--methods=trace_tree "${BEST[0]}") ;;
           ablate_fit) extra=(--methods=trace_tree "${BEST[@]:1:3}") ;;
           ablate_discovery) extra=(--methods=trace_tree "${BEST[4]}"
                                    --set=rollout.discovery_beta="$PILOT_BETA") ;;
