@@ -5,8 +5,9 @@ where the function-calling record's "what the samples showed" comes from.
 
 Builds the config's run (its warm start trained, or restored from `world.cache_dir`), samples
 the first `--prompts` held-out problems greedily, and prints each template's first
-`--per_template` rollouts with their reward. The attempts v1-v3 of the record were read with
-this at their own commits (each commit's warm start).
+`--per_template` rollouts with their reward. `--run=WORKDIR [--step=N]` samples that training
+run's checkpointed policy instead (pass the run's own overrides too). The attempts v1-v3 of
+the record were read with this at their own commits (each commit's warm start).
 """
 
 import os
@@ -24,6 +25,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs
 _PROMPTS = flags.DEFINE_integer("prompts", 40, "held-out problems sampled")
 _PER = flags.DEFINE_integer("per_template", 2, "rollouts printed per template")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/show_samples", "the run's scratch workdir")
+_RUN = flags.DEFINE_string("run", "", "a training run's workdir: sample its checkpoint's policy "
+                           "(the latest, or --step) instead of the warm start")
+_STEP = flags.DEFINE_integer("step", None, "the checkpoint step of --run")
 
 
 def main(argv):
@@ -36,7 +40,15 @@ def main(argv):
   c = _CONFIG.value
   c.workdir = _WORKDIR.value
   run = T.build(convert.to_train_config(c))
-  run.engine.update_params(T.policy_params(run.init_params, c.model.param_dtype))
+  params = T.policy_params(run.init_params, c.model.param_dtype)
+  if _RUN.value:
+    from trace_jax.checkpoint import restore_run_policy, run_checkpoint_step
+
+    step = run_checkpoint_step(_RUN.value, _STEP.value)
+    params, step = restore_run_policy(run.c, _RUN.value, step, run.graphdef,
+                                      run.init_params)
+    print(f"policy of {_RUN.value} at step {step}")
+  run.engine.update_params(params)
   examples = run.assets.test[:_PROMPTS.value]
   res = evaluate(run.engine, examples, batch=len(examples), keep_trees=True)
   shown = {}
