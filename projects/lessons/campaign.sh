@@ -9,6 +9,7 @@
 #   bash projects/lessons/campaign.sh pilot WORKER    # the reduced comparison (README), WORKER 0|1
 #   bash projects/lessons/campaign.sh pilot_control WORKER   # its negative control
 #   bash projects/lessons/campaign.sh ablate WORKER   # trace_best's changes one at a time (README)
+#   bash projects/lessons/campaign.sh replicate WORKER   # the pilot's main cell on world seed 3
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -87,7 +88,7 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    pilot|pilot_control|ablate)
+    pilot|pilot_control|ablate|replicate)
       # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
       # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
@@ -95,9 +96,12 @@ phase() {
       # ablate: trace_paper plus one of trace_best's two changes (the fit, the discovery
       # objective), on the cell where the combination lost (world seed 2, warm start 1), seeds
       # 0-1 then 2 (README). Children values are every arm's default, trace_paper's too.
+      # replicate: grpo and trace_paper on world seed 3 (never run before), warm start 0, seeds
+      # 0-2 (README).
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
+      local world_seed=2
       if [ "$p" = pilot ]; then
         jobs=("grpo 1 0" "trace_best 1 0" "trace_paper 1 0" "grpo 2 0" "trace_best 2 0"
               "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
@@ -110,6 +114,10 @@ phase() {
         jobs=("ablate_fit 1 1" "ablate_discovery 1 1" "ablate_fit 2 1" "ablate_discovery 2 1"
               "ablate_fit 3 1" "ablate_discovery 3 1")
         claims=runs/lessons_pilot/claims_ablate
+      elif [ "$p" = replicate ]; then
+        jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0" "grpo 3 0"
+              "trace_paper 3 0")
+        claims=runs/lessons_pilot/claims_replicate world_seed=3
       else
         jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0")
         claims=runs/lessons_pilot/claims_control prefix=control_
@@ -135,10 +143,10 @@ phase() {
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
           OUT=$PILOT_OUT RUNS=runs/lessons_pilot COMMON[3]=--set=rl.steps=$PILOT_STEPS
-          arm "$prefix$name" 2 "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
+          arm "$prefix$name" "$world_seed" "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
         ) 9>"$claims/lock_${name}_$ws"
       done ;;
-    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate)"; return 2 ;;
+    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate, replicate)"; return 2 ;;
   esac
 }
 
