@@ -112,7 +112,9 @@ phase() {
               "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
       elif [ "$p" = ablate ]; then
         jobs=("ablate_fit 1 1" "ablate_discovery 1 1" "ablate_fit 2 1" "ablate_discovery 2 1"
-              "ablate_fit 3 1" "ablate_discovery 3 1")
+              "ablate_fit 3 1" "ablate_discovery 3 1"
+              # Its follow-up (README): the fit with the slice paid from stage 2's budget.
+              "ablate_fit_paid 1 1" "ablate_fit_paid 2 1" "ablate_fit_paid 3 1")
         claims=runs/lessons_pilot/claims_ablate
       elif [ "$p" = replicate ]; then
         jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0" "grpo 3 0"
@@ -136,6 +138,8 @@ phase() {
           trace_best) extra=(--methods=trace_tree "${BEST[@]}"
                              --set=rollout.discovery_beta="$PILOT_BETA") ;;
           ablate_fit) extra=(--methods=trace_tree "${BEST[@]:1:3}") ;;
+          ablate_fit_paid) extra=(--methods=trace_tree "${BEST[@]:1:3}"
+                                  --set=rollout.prefix_budget=16) ;;
           ablate_discovery) extra=(--methods=trace_tree "${BEST[4]}"
                                    --set=rollout.discovery_beta="$PILOT_BETA") ;;
         esac
