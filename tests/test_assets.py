@@ -126,3 +126,20 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
 
   monkeypatch.setattr(fc_world, "_plan", other_thoughts)
   assert assets.warm_start_sample_sha1(c, assets.load_assets(c)) != base
+
+
+def test_build_lock_excludes_another_process_until_released(tmp_path):
+  """The warm start's build lock: while one process holds it, another cannot take it (so two
+  runs never train the same cached warm start at once); once released, it can."""
+  import subprocess
+
+  path = str(tmp_path / "cache" / "warmstart-x.lock")
+  probe = ("import fcntl, sys\n"
+           "f = open(sys.argv[1], 'a')\n"
+           "try:\n  fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n  print('free')\n"
+           "except BlockingIOError:\n  print('held')\n")
+  take = lambda: subprocess.run([sys.executable, "-c", probe, path], capture_output=True,  # noqa: E731
+                                text=True, check=True).stdout.strip()
+  with assets.build_lock(path):
+    assert take() == "held"
+  assert take() == "free"

@@ -4,7 +4,9 @@ and the cached warm start. Everything expensive is cached on disk and reused whe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -516,15 +518,40 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
               sft_data=fingerprint(*_packed_arrays(packed)))
 
 
+@contextlib.contextmanager
+def build_lock(path: str):
+  """An exclusive lock on the file `path` (made if absent) for the `with` block: processes on
+  one machine that would build the same cached thing take turns, and the ones that wait find it
+  built. Blocks until the lock is free."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "a") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      log.info("waiting for another process holding %s", path)
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
   """Fine-tunes on the world's expert traces, or restores the cached result. Returns (params,
-  info)."""
-  from trace_jax.sft import SFTConfig, sft_train
-
+  info). Independent runs on one machine that need the same warm start build it once: the
+  first holds a lock on it while it trains, the others wait and restore it. (A multi-process
+  run needs no lock: its process 0 decides for all.)"""
   key = warm_start_key(c, warm_start_sample_sha1(c, assets))
   d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{key}"))
-  ck = Checkpointer(d, max_to_keep=1)
   multi = jax.process_count() > 1
+  with contextlib.nullcontext() if multi else build_lock(d + ".lock"):
+    return _restore_or_train(c, assets, graphdef, params, d, multi, log_fn)
+
+
+def _restore_or_train(c, assets, graphdef, params, d, multi, log_fn):
+  from trace_jax.sft import SFTConfig, sft_train
+
+  ck = Checkpointer(d, max_to_keep=1)
   # Several processes: the cached params live on every device, replicated (orbax writes them
   # collectively), and every process comes back with process 0's values on its own device.
   everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), P()) if multi else None

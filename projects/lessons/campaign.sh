@@ -58,6 +58,12 @@ decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered
   esac
 }
 
+seed_major() {  # seed_major WS FROM TO ARM...: a job "ARM K WS" per K in FROM..TO, every arm at K
+  local ws=$1 from=$2 to=$3 k a    # before any at K + 1 (a worker's "ARM K" runs seeds below K)
+  shift 3
+  for k in $(seq "$from" "$to"); do for a in "$@"; do echo "$a $k $ws"; done; done
+}
+
 phase() {
   local p=$1
   shift
@@ -103,25 +109,21 @@ phase() {
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
       local world_seed=2
       if [ "$p" = pilot ]; then
-        jobs=("grpo 1 0" "trace_best 1 0" "trace_paper 1 0" "grpo 2 0" "trace_best 2 0"
-              "trace_paper 2 0" "grpo 3 0" "trace_best 3 0" "trace_paper 3 0"
-              # The extension (README): warm start 1, seeds 0-1.
-              "grpo 1 1" "trace_best 1 1" "trace_paper 1 1" "grpo 2 1" "trace_best 2 1"
-              "trace_paper 2 1"
-              # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
-              "grpo 3 1" "trace_best 3 1" "trace_paper 3 1")
+        mapfile -t jobs < <(seed_major 0 1 3 grpo trace_best trace_paper
+                            # The extension (README): warm start 1, seeds 0-1.
+                            seed_major 1 1 2 grpo trace_best trace_paper
+                            # Second extension (README): seed 2 on warm start 1, a 3 x 2 design.
+                            seed_major 1 3 3 grpo trace_best trace_paper)
       elif [ "$p" = ablate ]; then
-        jobs=("ablate_fit 1 1" "ablate_discovery 1 1" "ablate_fit 2 1" "ablate_discovery 2 1"
-              "ablate_fit 3 1" "ablate_discovery 3 1"
-              # Its follow-up (README): the fit with the slice paid from stage 2's budget.
-              "ablate_fit_paid 1 1" "ablate_fit_paid 2 1" "ablate_fit_paid 3 1")
+        mapfile -t jobs < <(seed_major 1 1 3 ablate_fit ablate_discovery
+                            # Its follow-up (README): the fit with the slice paid from stage 2.
+                            seed_major 1 1 3 ablate_fit_paid)
         claims=runs/lessons_pilot/claims_ablate
       elif [ "$p" = replicate ]; then
-        jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0" "grpo 3 0"
-              "trace_paper 3 0")
+        mapfile -t jobs < <(seed_major 0 1 3 grpo trace_paper)
         claims=runs/lessons_pilot/claims_replicate world_seed=3
       else
-        jobs=("grpo 1 0" "trace_paper 1 0" "grpo 2 0" "trace_paper 2 0")
+        mapfile -t jobs < <(seed_major 0 1 2 grpo trace_paper)
         claims=runs/lessons_pilot/claims_control prefix=control_
         world=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.55
                --set=world.expert_rate_hi=0.55)

@@ -6,8 +6,9 @@ where the function-calling record's "what the samples showed" comes from.
 Builds the config's run (its warm start trained, or restored from `world.cache_dir`), samples
 the first `--prompts` held-out problems greedily, and prints each template's first
 `--per_template` rollouts with their reward. `--run=WORKDIR [--step=N]` samples that training
-run's checkpointed policy instead (pass the run's own overrides too). The attempts v1-v3 of
-the record were read with this at their own commits (each commit's warm start).
+run's checkpointed policy instead, built from the run's own config.json (`--config` is then
+not read). The attempts v1-v3 of the record were read with this at their own commits (each
+commit's warm start).
 """
 
 import os
@@ -37,16 +38,23 @@ def main(argv):
   from trace_jax import train as T
   from trace_jax.evaluate import evaluate
 
-  c = _CONFIG.value
-  c.workdir = _WORKDIR.value
-  run = T.build(convert.to_train_config(c))
-  params = T.policy_params(run.init_params, c.model.param_dtype)
+  if _RUN.value:  # the run's own config, in a scratch workdir (the run's is only read)
+    from trace_jax.config import TrainConfig
+
+    d = convert.load_run_config_dict(_RUN.value)
+    d["workdir"] = _WORKDIR.value
+    cfg = TrainConfig.from_dict(d)
+  else:
+    c = _CONFIG.value
+    c.workdir = _WORKDIR.value
+    cfg = convert.to_train_config(c)
+  run = T.build(cfg)
+  params = T.policy_params(run.init_params, cfg.model.param_dtype)
   if _RUN.value:
     from trace_jax.checkpoint import restore_run_policy, run_checkpoint_step
 
     step = run_checkpoint_step(_RUN.value, _STEP.value)
-    params, step = restore_run_policy(run.c, _RUN.value, step, run.graphdef,
-                                      run.init_params)
+    params, step = restore_run_policy(cfg, _RUN.value, step, run.graphdef, run.init_params)
     print(f"policy of {_RUN.value} at step {step}")
   run.engine.update_params(params)
   examples = run.assets.test[:_PROMPTS.value]
