@@ -112,3 +112,17 @@ def test_budget_use_means_over_rl_steps():
   grpo = lt.budget_use([dict(step=1, effective_ratio=0.4, stage1_mixed=0.4, stage1_leaves=96,
                              reward_mean=0.5)])
   assert grpo["stage2_rollout_share"] == 0.0 and np.isnan(grpo["pool_p_hat_gap"])
+
+
+def test_pooled_bootstrap_weighs_worlds_equally_and_widens_with_their_spread():
+  # Two worlds: +0.04 on one (two warm starts), -0.02 on the other: the point estimate is the
+  # mean over worlds (+0.01), not over cells; seeds with no spread leave the worlds' spread only.
+  arm = {2: {0: [0.54, 0.54], 1: [0.64, 0.64]}, 3: {0: [0.48, 0.48]}}
+  ref = {2: {0: [0.50, 0.50], 1: [0.60, 0.60]}, 3: {0: [0.50, 0.50]}}
+  out = lt.pooled_bootstrap(arm, ref, n=2000)
+  assert out["diff"] == pytest.approx(0.01)
+  assert (out["n_worlds"], out["n_cells"]) == (2, 3)
+  assert out["lo"] == pytest.approx(-0.02) and out["hi"] == pytest.approx(0.04)
+  # A world only one arm ran is left out.
+  arm[4] = {0: [0.9]}
+  assert lt.pooled_bootstrap(arm, ref, n=200)["n_worlds"] == 2

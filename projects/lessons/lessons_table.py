@@ -144,6 +144,34 @@ def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) 
               n_warm_starts=len(wss))
 
 
+def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dict:
+  """Difference of means (arm - ref) pooled over world seeds, with a 95% interval. `arm`, `ref`:
+  {world seed: {warm start: [per-seed values]}}. Each replicate draws world seeds with
+  replacement, then warm starts within each drawn world, then seeds within each warm start (both
+  arms share the draw of worlds and warm starts). The point estimate weighs worlds equally, and
+  warm starts equally within a world."""
+  rng = np.random.default_rng(seed)
+  worlds = sorted((w for w in set(arm) & set(ref) if set(arm[w]) & set(ref[w])), key=str)
+  if not worlds:
+    return dict(diff=float("nan"), lo=float("nan"), hi=float("nan"), n_worlds=0)
+  wss = {w: sorted(set(arm[w]) & set(ref[w]), key=str) for w in worlds}
+
+  def mean_of(d):
+    return float(np.mean([np.mean([np.mean(d[w][s]) for s in wss[w]]) for w in worlds]))
+
+  reps = np.empty(n)
+  for i in range(n):
+    da, db = [], []
+    for w in (worlds[j] for j in rng.integers(len(worlds), size=len(worlds))):
+      pick = [wss[w][j] for j in rng.integers(len(wss[w]), size=len(wss[w]))]
+      da.append(np.mean([np.mean(rng.choice(arm[w][s], size=len(arm[w][s]))) for s in pick]))
+      db.append(np.mean([np.mean(rng.choice(ref[w][s], size=len(ref[w][s]))) for s in pick]))
+    reps[i] = np.mean(da) - np.mean(db)
+  lo, hi = np.percentile(reps, [2.5, 97.5])
+  return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
+              n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
+
+
 def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
   """Every run of every arm in the cells (`w{world}-ws{warm}` folders) matching `cells`: its
   compare.py row plus its evaluation curve and records."""
@@ -207,7 +235,28 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
         ma, mr = _mean_nested(ha), _mean_nested(hr)
         agg["lessons_half_ratio"] = ma / mr if mr else None
       arms_out.append(agg)
-  return dict(arms=arms_out)
+  return dict(arms=arms_out, pooled=pooled(runs, reference, boot))
+
+
+def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> list[dict]:
+  """Each arm against the reference in mean EM at equal tokens, pooled over the world seeds
+  where both ran (`pooled_bootstrap`); only where they share more than one world seed."""
+  out = []
+  for setting in sorted({_setting(r["arm"]) for r in runs}):
+    rs = [r for r in runs if _setting(r["arm"]) == setting and
+          r.get("em_at_equal_tokens") is not None and np.isfinite(r["em_at_equal_tokens"])]
+    nest = {}
+    for r in rs:
+      nest.setdefault(r["arm"], {}).setdefault(r.get("world_seed"), {}).setdefault(
+          r.get("warm_start_seed", r.get("warm_start_sha1")), []).append(
+              float(r["em_at_equal_tokens"]))
+    ref = nest.get(_ref_name(reference, setting))
+    for arm, d in sorted(nest.items()):
+      if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
+        continue
+      out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting),
+                      **pooled_bootstrap(d, ref, n=boot)))
+  return out
 
 
 def _setting(arm: str) -> str:
@@ -250,6 +299,13 @@ def markdown(result: dict) -> str:
         f"{f(a['fact_verb_lessons_all'], 1)} | {f(a.get('lessons_half_ratio'), 2)} | "
         f"{f(a['effective_ratio'])} | {f(a['seconds_per_step'], 1)} | "
         f"{f(a['seconds_to_reference_final'], 0)} | {f(a['generated_tokens'], 0)} |")
+  if result.get("pooled"):
+    lines += ["", "Pooled over world seeds (each world's mean EM at equal tokens; bootstrap over "
+              "worlds, then warm starts, then seeds):", "",
+              "| setting | arm | vs | worlds | cells | difference (95% CI) |", "|" + "---|" * 6]
+    for q in result["pooled"]:
+      lines.append(f"| {q['setting']} | {q['arm']} | {q['reference']} | {q['n_worlds']} | "
+                   f"{q['n_cells']} | {q['diff']:+.3f} [{q['lo']:+.3f}, {q['hi']:+.3f}] |")
   lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
             "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
             "sampled success | p̂ selected - left out | lessons found / unknown at step 0 |",

@@ -1,0 +1,279 @@
+"""How well can the success predictor tell, before sampling, which prompts will be mixed?
+
+Stage 1 of trace_tree reads p̂ of each candidate prompt and spends its rollouts on the prompts
+whose groups it expects to be mixed. On the lessons world its trees came out mixed *less* often
+than GRPO's uniform groups (projects/lessons/README.md), while the runs logged p̂'s AUC on a
+random slice near 0.6. This study asks why, offline, on one policy at a time:
+
+  python projects/lessons/predictor_study.py --run=runs/.../trace_tree-seed0 --step=90 \
+      --out=projects/lessons/results/predictor_study/w3-ws0-seed0.json
+
+For the run's warm start and for its checkpoint at `--step` (the run's own config.json, a scratch
+workdir), it samples `--group` rollouts on each of `--prompts` train prompts (temperature of the
+run), then fits the predictor head the way the run does (`PredictorFitter`: visits weighting,
+Adam at `rl.predictor_lr`, starting from the head the policy came with) on the trees of the first
+`--fit_prompts` prompts, under several fit settings, and scores each on the remaining prompts:
+
+- `auc`: p̂ of a prompt against each of its rollouts' outcomes (what the runs log as slice_auc);
+- `corr`: Pearson correlation of p̂ with the prompt's success rate over its `--group` rollouts;
+- stage 1's own choice on `--pools` random pools of `candidate_prompts` held-out prompts
+  (`allocate_roots_subset`, the run's budget and bounds, the paper objective): the share of
+  selected trees that are mixed, and of stage-1 rollouts that sit in mixed trees, each computed
+  *exactly unbiased* from the prompt's `--group` samples (the chance that m of them drawn without
+  replacement are mixed; m never exceeds `--group`), beside GRPO's uniform choice (the step's
+  prompts at `root_budget / prompts_per_step` rounded, and at 8 each).
+
+References beside the fits: `run_head` (the head the checkpoint holds, as the run left it),
+`lesson_mean` (each prompt's lesson's mean success over the fit prompts: a predictor that knew the
+world's lesson labels, which the method does not), and `own_rate` (the prompt's own rate: the
+selection's ceiling, in-sample).
+"""
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, _ROOT)
+sys.path.append(os.path.join(_ROOT, "configs"))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+_RUN = flags.DEFINE_string("run", None, "a training run's workdir (its config.json, checkpoints)",
+                           required=True)
+_STEP = flags.DEFINE_integer("step", None, "the checkpoint step (default: the latest)")
+_PROMPTS = flags.DEFINE_integer("prompts", 480, "train prompts sampled")
+_GROUP = flags.DEFINE_integer("group", 12, "rollouts per prompt (>= rollout.max_per_prompt)")
+_FIT = flags.DEFINE_list("fit_prompts", ["64", "192"], "prompts whose trees the head is fit on "
+                         "(the first N; 64 = the run's 4-step root buffer)")
+_STEPS = flags.DEFINE_list("fit_steps", ["50", "300"], "Adam steps of each fit")
+_POOLS = flags.DEFINE_integer("pools", 300, "random candidate pools scored per predictor")
+_OUT = flags.DEFINE_string("out", "projects/lessons/results/predictor_study/study.json",
+                           "the results file (a .png beside it)")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/predictor_study", "scratch workdir")
+_SEED = flags.DEFINE_integer("seed", 0, "prompt draw and pool draws")
+
+
+def mixed_prob(k, n, m):
+  """Unbiased estimate of P(m fresh rollouts are mixed) from k successes among n samples (m <= n):
+  the chance that m of the n drawn without replacement hold both outcomes. Vectorized over k, m."""
+  comb = np.vectorize(math.comb, otypes=[np.float64])
+  k, m = np.broadcast_arrays(np.asarray(k, np.int64), np.asarray(m, np.int64))
+  c = comb(n, m)
+  out = 1.0 - comb(k, m) / c - comb(n - k, m) / c
+  return np.where(m > 0, out, 0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def _jit_alloc():
+  import jax
+
+  from trace_jax.allocation.allocators import allocate_roots_subset
+
+  return jax.jit(allocate_roots_subset, static_argnums=(1, 2, 3, 4))
+
+
+def selection(p_hat, k, n, rng, pools, c):
+  """Stage 1 on random pools of the held-out prompts: mixed share of selected trees and of their
+  rollouts (estimated exactly from the samples), with the uniform choices beside them."""
+  import jax.numpy as jnp
+
+  r = c.rollout
+  P, sel = r.candidate_prompts, r.prompts_per_step
+  alloc = _jit_alloc()
+  even = max(1, round(r.root_budget / sel))
+  trees, rollouts, uni, uni8 = [], [], [], []
+  for _ in range(pools):
+    idx = rng.choice(len(k), P, replace=False)
+    m = np.asarray(alloc(jnp.asarray(p_hat[idx], jnp.float32), r.root_budget, sel,
+                         r.min_per_prompt, r.max_per_prompt))
+    chosen = m > 0
+    q = mixed_prob(k[idx][chosen], n, m[chosen])
+    trees.append(q.mean())
+    rollouts.append((q * m[chosen]).sum() / m[chosen].sum())
+    u = idx[:sel]  # a uniform choice of the step's prompts
+    uni.append(mixed_prob(k[u], n, np.full(sel, even)).mean())
+    uni8.append(mixed_prob(k[u], n, np.full(sel, min(8, n))).mean())
+  return dict(selected_trees_mixed=float(np.mean(trees)),
+              selected_rollouts_in_mixed=float(np.mean(rollouts)),
+              uniform_trees_mixed=float(np.mean(uni)), uniform_per_prompt=even,
+              uniform8_trees_mixed=float(np.mean(uni8)))
+
+
+def score(p_hat, k, n, rng, pools, c):
+  from trace_jax.allocation.predictor_metrics import auc, brier
+
+  y = np.concatenate([np.r_[np.ones(int(ki)), np.zeros(n - int(ki))] for ki in k])
+  p = np.repeat(p_hat, n)
+  rate = k / n
+  corr = float(np.corrcoef(p_hat, rate)[0, 1]) if np.std(p_hat) > 0 else float("nan")
+  return dict(auc=auc(p, y), brier=brier(p, y), corr=corr, p_hat_mean=float(np.mean(p_hat)),
+              p_hat_std=float(np.std(p_hat)), **selection(p_hat, k, n, rng, pools, c))
+
+
+def sample(run, params, examples, group):
+  """Trees of `group` rollouts per example under `params`; (trees, successes per prompt)."""
+  from trace_jax.sampling.engine import PromptRequest
+
+  run.engine.update_params(params)
+  per = max(1, run.c.rollout.prompts_per_step)
+  trees, k = [], []
+  for i in range(0, len(examples), per):
+    chunk = examples[i:i + per]
+    got = run.engine.run([PromptRequest(e["prompt_ids"], group, meta=e) for e in chunk])
+    for t in got:
+      k.append(int(round(sum(float(leaf.reward or 0.0) for leaf in t.leaves()))))
+    trees += got
+    run.engine.release(got)
+  return trees, np.asarray(k)
+
+
+def fit_head(run, pred0, trees, steps, roots_only):
+  from trace_jax.allocation.predictor_fit import PredictorFitter
+  from trace_jax.config import update_config
+  from trace_jax.rl.update import make_optimizers
+
+  c = run.c
+  fitter = PredictorFitter(run.pred_graphdef, make_optimizers(update_config(c))[1], steps=steps,
+                           buffer_steps=1, root_buffer_steps=1, seed=c.seed,
+                           weighting=c.rl.predictor_weighting, pred_state=pred0)
+  fitter.add(trees)
+  if roots_only:  # the turn-boundary rows weigh nothing: the fit sees prompts only
+    x, y, w, leaf, held = fitter.buffer[0]
+    fitter.buffer[0] = (x, y, np.zeros_like(w), leaf, held)
+  state, info = fitter.fit(pred0)
+  return fitter, state, info
+
+
+def study(run, params, pred_state, examples, label, has_head):
+  c, n = run.c, _GROUP.value
+  t0 = time.time()
+  trees, k = sample(run, params, examples, n)
+  t_sample = time.time() - t0
+  n_fit_max = max(int(v) for v in _FIT.value)
+  test = slice(n_fit_max, None)
+  feats = np.stack([np.asarray(t.root.feature, np.float32) for t in trees])
+  k_test = k[test]
+  out = dict(condition=label, prompts=len(examples), group=n, sample_seconds=t_sample,
+             success=float(k.sum() / (n * len(k))),
+             mixed_share_group=float(np.mean((k > 0) & (k < n))),
+             test_prompts=int(len(k_test)), predictors={})
+  rng_seed = _SEED.value + 1
+
+  def add(name, p_hat, **extra):
+    out["predictors"][name] = dict(score(np.asarray(p_hat, np.float64), k_test, n,
+                                         np.random.default_rng(rng_seed), _POOLS.value, c),
+                                   **extra)
+    s = out["predictors"][name]
+    print(f"[{label}] {name:28s} auc {s['auc']:.3f} corr {s['corr']:+.3f} p̂ {s['p_hat_mean']:.2f}"
+          f"±{s['p_hat_std']:.2f}  selected mixed {s['selected_trees_mixed']:.3f} (rollouts "
+          f"{s['selected_rollouts_in_mixed']:.3f}) uniform {s['uniform_trees_mixed']:.3f} / "
+          f"8 each {s['uniform8_trees_mixed']:.3f}", flush=True)
+
+  from trace_jax.allocation.predictor_fit import PredictorFitter  # noqa: F401  (spread below)
+  probe, _, _ = fit_head(run, pred_state, trees[:1], 1, False)  # for `spread` only
+  if has_head:
+    add("run_head", probe.spread(pred_state, feats[test])[0])
+  for nf in (int(v) for v in _FIT.value):
+    for steps in (int(v) for v in _STEPS.value):
+      for roots_only in (False, True):
+        _, st, info = fit_head(run, pred_state, trees[:nf], steps, roots_only)
+        name = f"fit{nf}_steps{steps}" + ("_roots" if roots_only else "")
+        add(name, probe.spread(st, feats[test])[0], fit_rows=info.get("predictor_fit_rows"))
+  # References the method has no access to.
+  lesson = [tuple(e.get("groups") or ()) for e in examples]
+  fit_idx = range(n_fit_max)
+  sums = {}
+  for i in fit_idx:
+    a = sums.setdefault(lesson[i], [0, 0])
+    a[0] += k[i]
+    a[1] += n
+  prior = float(k[:n_fit_max].sum()) / (n * n_fit_max)
+  lm = [(sums.get(lesson[i], [0, 0])[0] + 2 * prior) / (sums.get(lesson[i], [0, 0])[1] + 2)
+        for i in range(n_fit_max, len(examples))]
+  add("lesson_mean", lm)
+  add("own_rate", k_test / n)
+  add("constant", np.full(len(k_test), prior))
+  return out
+
+
+def plot(results, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  fig, axes = plt.subplots(1, 2 * len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+  for j, res in enumerate(results):
+    names = list(res["predictors"])
+    preds = res["predictors"]
+    ax = axes[0, 2 * j]
+    ax.barh(names, [preds[n]["auc"] for n in names], color="C0")
+    ax.axvline(0.5, c="gray", ls="--")
+    ax.set(xlim=(0.4, 1.0), xlabel="AUC on held-out prompts' rollouts", title=res["condition"])
+    ax.invert_yaxis()
+    ax = axes[0, 2 * j + 1]
+    ax.barh(names, [preds[n]["selected_trees_mixed"] for n in names], color="C1",
+            label="stage 1's selected trees")
+    u = preds[names[0]]
+    ax.axvline(u["uniform_trees_mixed"], c="k", ls="--",
+               label=f"uniform, {u['uniform_per_prompt']} each")
+    ax.axvline(u["uniform8_trees_mixed"], c="gray", ls=":", label="uniform, 8 each")
+    ax.set(xlabel="share of trees mixed", title=res["condition"])
+    ax.set_yticklabels([])
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def main(argv):
+  del argv
+  import dataclasses
+
+  import convert
+
+  from trace_jax import train as T
+  from trace_jax.checkpoint import Checkpointer, restore_target, run_checkpoint_step
+  from trace_jax.config import TrainConfig
+
+  d = convert.load_run_config_dict(_RUN.value)
+  d["workdir"] = _WORKDIR.value
+  c = TrainConfig.from_dict(d)
+  if _GROUP.value < c.rollout.max_per_prompt:
+    raise ValueError(f"--group={_GROUP.value} must be >= rollout.max_per_prompt="
+                     f"{c.rollout.max_per_prompt} (the estimate draws m of the group's samples)")
+  if max(int(v) for v in _FIT.value) >= _PROMPTS.value - c.rollout.candidate_prompts:
+    raise ValueError("--prompts leaves fewer held-out prompts than a candidate pool")
+  run = T.build(dataclasses.replace(c))
+  rng = np.random.default_rng(_SEED.value)
+  pool = run.assets.train
+  examples = [pool[int(i)] for i in rng.choice(len(pool), _PROMPTS.value, replace=False)]
+  results = [study(run, T.policy_params(run.init_params, c.model.param_dtype),
+                   run.init_pred_params, examples, "warm start", False)]
+  step = run_checkpoint_step(_RUN.value, _STEP.value)
+  ckpt = Checkpointer(os.path.join(_RUN.value, "checkpoints"), max_to_keep=10**6)
+  state, _ = ckpt.restore(restore_target(c, run.graphdef, run.init_params), step)
+  ckpt.close()
+  results.append(study(run, T.policy_params(state["params"], c.model.param_dtype),
+                       state["pred_params"], examples, f"step {step}", True))
+  out = dict(run=_RUN.value, step=step, world_seed=c.world.seed, method=c.method,
+             flags=dict(prompts=_PROMPTS.value, group=_GROUP.value, fit_prompts=_FIT.value,
+                        fit_steps=_STEPS.value, pools=_POOLS.value, seed=_SEED.value),
+             conditions=results)
+  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(out, f, indent=1)
+  png = os.path.splitext(_OUT.value)[0] + ".png"
+  print(f"wrote {_OUT.value}" + (f" and {png}" if plot(results, png) else ""))
+
+
+if __name__ == "__main__":
+  app.run(main)
