@@ -43,19 +43,6 @@ sys.path.append(os.path.join(_ROOT, "configs"))
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-_RUN = flags.DEFINE_string("run", None, "a training run's workdir (its config.json, checkpoints)",
-                           required=True)
-_STEP = flags.DEFINE_integer("step", None, "the checkpoint step (default: the latest)")
-_PROMPTS = flags.DEFINE_integer("prompts", 480, "train prompts sampled")
-_GROUP = flags.DEFINE_integer("group", 12, "rollouts per prompt (>= rollout.max_per_prompt)")
-_FIT = flags.DEFINE_list("fit_prompts", ["64", "192"], "prompts whose trees the head is fit on "
-                         "(the first N; 64 = the run's 4-step root buffer)")
-_STEPS = flags.DEFINE_list("fit_steps", ["50", "300"], "Adam steps of each fit")
-_POOLS = flags.DEFINE_integer("pools", 300, "random candidate pools scored per predictor")
-_OUT = flags.DEFINE_string("out", "projects/lessons/results/predictor_study/study.json",
-                           "the results file (a .png beside it)")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/predictor_study", "scratch workdir")
-_SEED = flags.DEFINE_integer("seed", 0, "prompt draw and pool draws")
 
 
 def mixed_prob(k, n, m):
@@ -276,4 +263,18 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags defined here, not at import: tests import this module beside other scripts.
+  _RUN = flags.DEFINE_string("run", None, "a training run's workdir (its config.json, checkpoints)",
+                             required=True)
+  _STEP = flags.DEFINE_integer("step", None, "the checkpoint step (default: the latest)")
+  _PROMPTS = flags.DEFINE_integer("prompts", 480, "train prompts sampled")
+  _GROUP = flags.DEFINE_integer("group", 12, "rollouts per prompt (>= rollout.max_per_prompt)")
+  _FIT = flags.DEFINE_list("fit_prompts", ["64", "192"], "prompts whose trees the head is fit on "
+                           "(the first N; 64 = the run's 4-step root buffer)")
+  _STEPS = flags.DEFINE_list("fit_steps", ["50", "300"], "Adam steps of each fit")
+  _POOLS = flags.DEFINE_integer("pools", 300, "random candidate pools scored per predictor")
+  _OUT = flags.DEFINE_string("out", "projects/lessons/results/predictor_study/study.json",
+                             "the results file (a .png beside it)")
+  _WORKDIR = flags.DEFINE_string("workdir", "/tmp/predictor_study", "scratch workdir")
+  _SEED = flags.DEFINE_integer("seed", 0, "prompt draw and pool draws")
   app.run(main)
