@@ -28,3 +28,20 @@ def test_mixed_prob_edges():
   assert ps.mixed_prob([0, 12], 12, [6, 6]).tolist() == [0.0, 0.0]
   assert ps.mixed_prob(1, 12, 2) == pytest.approx(11 / 66)
   assert ps.mixed_prob(5, 12, 0) == 0.0  # a prompt given no rollouts
+
+
+def test_knn_predict_reads_the_nearest_fit_prompts():
+  # Two clusters of directions; fit rates 1.0 in the first, 0.0 in the second.
+  rng = np.random.default_rng(0)
+  centres = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+  fit = np.concatenate([centres[0] + 0.05 * rng.normal(size=(6, 3)),
+                        centres[1] + 0.05 * rng.normal(size=(6, 3))])
+  rates = np.r_[np.ones(6), np.zeros(6)]
+  test = np.array([[3.0, 0.1, 0.0], [0.1, 0.2, 0.0]])  # the scale must not matter (cosine)
+  p, near = ps.knn_predict(fit, rates, test, 4, prior=0.5, strength=2.0)
+  assert p.tolist() == pytest.approx([(4 + 1) / 6, (0 + 1) / 6])
+  assert set(near[0]) <= set(range(6)) and set(near[1]) <= set(range(6, 12))
+  purity, chance = ps.neighbour_purity(near, np.r_[np.zeros(6), np.ones(6)], np.array([0, 1]))
+  assert (purity, chance) == (1.0, 0.5)
+  with pytest.raises(ValueError, match="k=13"):
+    ps.knn_predict(fit, rates, test, 13, prior=0.5)

@@ -26,7 +26,10 @@ Adam at `rl.predictor_lr`, starting from the head the policy came with) on the t
 References beside the fits: `run_head` (the head the checkpoint holds, as the run left it),
 `lesson_mean` (each prompt's lesson's mean success over the fit prompts: a predictor that knew the
 world's lesson labels, which the method does not), and `own_rate` (the prompt's own rate: the
-selection's ceiling, in-sample).
+selection's ceiling, in-sample). And one the method could use: `knn{K}_fit{N}` (the mean rate of
+the K fit prompts nearest in cosine of the root features the head reads, shrunk to the prior), with
+the share of those neighbours that carry the prompt's own lesson: whether the features place
+prompts of one lesson together, apart from whether a small head can be fit to them.
 """
 
 import functools
@@ -62,6 +65,32 @@ def _jit_alloc():
   from trace_jax.allocation.allocators import allocate_roots_subset
 
   return jax.jit(allocate_roots_subset, static_argnums=(1, 2, 3, 4))
+
+
+def knn_predict(fit_feats, fit_rates, test_feats, k, prior, strength=2.0):
+  """p̂ of each test prompt from the `k` fit prompts nearest in cosine similarity of their root
+  features: the mean of their success rates, shrunk toward `prior` by `strength` pseudo-prompts.
+  Non-parametric: it asks whether the features the head reads place prompts that succeed alike
+  near each other, apart from whether a small head can be fit to them."""
+  if not 1 <= k <= len(fit_feats):
+    raise ValueError(f"k={k} must be in [1, {len(fit_feats)}] (the fit prompts)")
+  a = np.asarray(fit_feats, np.float64)
+  b = np.asarray(test_feats, np.float64)
+  a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+  b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+  near = np.argsort(-(b @ a.T), axis=1, kind="stable")[:, :k]
+  rates = np.asarray(fit_rates, np.float64)[near]
+  return (rates.sum(1) + strength * prior) / (k + strength), near
+
+
+def neighbour_purity(near, fit_labels, test_labels):
+  """Share of each test prompt's neighbours (indices into the fit prompts) that carry its label,
+  averaged; beside it, the share a random draw of fit prompts would give."""
+  fit_labels = np.asarray(fit_labels)
+  test_labels = np.asarray(test_labels)
+  same = fit_labels[near] == test_labels[:, None]
+  chance = np.mean([np.mean(fit_labels == t) for t in test_labels])
+  return float(same.mean()), float(chance)
 
 
 def selection(p_hat, k, n, rng, pools, c):
@@ -183,6 +212,17 @@ def study(run, params, pred_state, examples, label, has_head):
   lm = [(sums.get(lesson[i], [0, 0])[0] + 2 * prior) / (sums.get(lesson[i], [0, 0])[1] + 2)
         for i in range(n_fit_max, len(examples))]
   add("lesson_mean", lm)
+  lesson_id = {g: j for j, g in enumerate(sorted(set(lesson)))}
+  labels = np.asarray([lesson_id[g] for g in lesson])
+  for nf in (int(v) for v in _FIT.value):
+    for kk in (8, 32):
+      if kk > nf:
+        continue
+      p_knn, near = knn_predict(feats[:nf], k[:nf] / n, feats[test], kk, prior)
+      purity, chance = neighbour_purity(near, labels[:nf], labels[test])
+      add(f"knn{kk}_fit{nf}", p_knn, lesson_purity=purity, lesson_purity_chance=chance)
+      print(f"[{label}] knn{kk}_fit{nf}: neighbours sharing the prompt's lesson {purity:.3f} "
+            f"(chance {chance:.3f})", flush=True)
   add("own_rate", k_test / n)
   add("constant", np.full(len(k_test), prior))
   return out
