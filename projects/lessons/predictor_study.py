@@ -59,14 +59,6 @@ def mixed_prob(k, n, m):
 
 
 @functools.lru_cache(maxsize=1)
-def _jit_alloc():
-  import jax
-
-  from trace_jax.allocation.allocators import allocate_roots_subset
-
-  return jax.jit(allocate_roots_subset, static_argnums=(1, 2, 3, 4))
-
-
 def knn_predict(fit_feats, fit_rates, test_feats, k, prior, strength=2.0):
   """p̂ of each test prompt from the `k` fit prompts nearest in cosine similarity of their root
   features: the mean of their success rates, shrunk toward `prior` by `strength` pseudo-prompts.
@@ -100,7 +92,8 @@ def selection(p_hat, k, n, rng, pools, c):
 
   r = c.rollout
   P, sel = r.candidate_prompts, r.prompts_per_step
-  alloc = _jit_alloc()
+  from trace_jax.allocation.allocators import allocate_roots_subset as alloc
+
   even = max(1, round(r.root_budget / sel))
   trees, rollouts, uni, uni8 = [], [], [], []
   for _ in range(pools):

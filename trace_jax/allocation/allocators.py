@@ -14,6 +14,8 @@ few thousand picks, which is cheap next to sampling a single token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import jax.numpy as jnp
@@ -220,13 +222,21 @@ def allocate_roots(p_hat, budget: int, min_per_prompt: int = 1, max_per_prompt: 
   if budget > num_prompts * cap:
     raise ValueError(f"budget {budget} > num_prompts {num_prompts} * max_per_prompt {cap}")
 
-  p = jnp.clip(p_hat, 0.0, 1.0)
-  m0 = jnp.full((num_prompts,), min_per_prompt, jnp.int32)
   if values is not None:
     values = jnp.asarray(values, jnp.float32)
     if values.shape != (num_prompts, cap + 1):
       raise ValueError(f"values must be f32[{num_prompts}, {cap + 1}] (m = 0..max_per_prompt), "
                        f"got {values.shape}")
+  return _greedy_roots(p_hat, values, budget, min_per_prompt, cap)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _greedy_roots(p_hat, values, budget, min_per_prompt, cap):
+  """allocate_roots' program on checked inputs. Jitted at module level so that eager calls reuse
+  one compilation per shape instead of retracing the loop's closure on every call."""
+  num_prompts = p_hat.shape[0]
+  p = jnp.clip(p_hat, 0.0, 1.0)
+  m0 = jnp.full((num_prompts,), min_per_prompt, jnp.int32)
   rows = jnp.arange(num_prompts)
 
   def gain_of(m):
@@ -294,6 +304,14 @@ def allocate_roots_subset(p_hat, budget: int, num_selected: int, min_per_prompt:
   if values.shape != (num_prompts, len(counts)):
     raise ValueError(f"values must be f32[{num_prompts}, {len(counts)}] (counts {lo}..{hi}), "
                      f"got {values.shape}")
+  return _subset_program(values, budget, n_sel, lo)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _subset_program(values, budget, n_sel, lo):
+  """allocate_roots_subset's dynamic program on checked inputs (values f32[P, K] for counts
+  lo..lo+K-1). Jitted at module level: an eager call used to recompile the scan every time."""
+  counts = list(range(lo, lo + values.shape[1]))
   neg = jnp.float32(-jnp.inf)
   best0 = jnp.full((n_sel + 1, budget + 1), neg).at[0, 0].set(0.0)
 
@@ -366,20 +384,42 @@ def _tree_log_prod(q, k, tree, valid, num_trees):
   return jnp.zeros((num_trees,), jnp.float32).at[seg].add(contrib, mode="drop")
 
 
-def _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware):
+def _summed_gain(k, q, _aux):
+  """Marginal gain of V_pref(h, k) = 1 - q_h^k: q_h^k (1 - q_h)."""
+  return q ** k.astype(jnp.float32) * (1.0 - q)
+
+
+def _tree_gain(k, q, aux):
+  """Marginal gain of the tree-aware objective (`allocate_prefixes_tree_aware`)."""
+  tree, tree_mixed, valid, lam = aux
+  num_trees = tree_mixed.shape[0]
+  at = jnp.clip(tree, 0, num_trees - 1)
+  kf = k.astype(jnp.float32)
+  prod = jnp.exp(_tree_log_prod(q, kf, tree, valid, num_trees))
+  unmixed_gain = prod[at] * (1.0 - q)
+  mixed_gain = lam * q**kf * (1.0 - q)
+  return jnp.where(tree_mixed[at], mixed_gain, unmixed_gain)
+
+
+def _greedy(gain_fn, q, aux, costs, budget, valid, max_per_anchor, budget_unit, cost_aware):
   """Hands out continuations one at a time to the best marginal gain (per cost) that still fits.
 
   The whole budget is spent while any pick fits, even on near-zero gains, so methods compared at
   equal budget really sample equally much. Stops early only when nothing fits (every anchor at its
-  cap, or every remaining cost above what is left of a token budget).
+  cap, or every remaining cost above what is left of a token budget). `gain_fn(k, q, aux)` is a
+  module-level function, so the jitted loop compiles once per shape, also when called eagerly.
   """
   if budget_unit not in ("rollouts", "tokens"):
     raise ValueError(f"budget_unit must be 'rollouts' or 'tokens', got {budget_unit!r}")
-  costs = jnp.asarray(costs, jnp.float32)
-  valid = jnp.asarray(valid, bool)
+  return _greedy_program(gain_fn, q, aux, jnp.asarray(costs, jnp.float32),
+                         jnp.asarray(budget, jnp.float32), jnp.asarray(valid, bool),
+                         int(max_per_anchor), budget_unit, bool(cost_aware))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+def _greedy_program(gain_fn, q, aux, costs, budget, valid, cap, budget_unit, cost_aware):
   num = costs.shape[0]
   spend = jnp.ones_like(costs) if budget_unit == "rollouts" else costs
-  cap = int(max_per_anchor)
 
   def cond(state):
     _, _, done = state
@@ -387,7 +427,7 @@ def _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_awa
 
   def body(state):
     k, left, _ = state
-    gain = gain_fn(k)
+    gain = gain_fn(k, q, aux)
     score = gain / costs if cost_aware else gain
     fits = valid & (k < cap) & (spend <= left)
     score = jnp.where(fits, score, -jnp.inf)
@@ -398,7 +438,7 @@ def _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_awa
     return k, left, ~ok
 
   k0 = jnp.zeros((num,), jnp.int32)
-  state = (k0, jnp.asarray(budget, jnp.float32), jnp.asarray(cap <= 0))
+  state = (k0, budget, jnp.asarray(cap <= 0))
   k, _, _ = jax.lax.while_loop(cond, body, state)
   return k
 
@@ -437,11 +477,8 @@ def allocate_prefixes(p_hat, outcomes, costs, budget, valid, max_per_anchor: int
     [0, 3, 1]
   """
   q = repeat_prob(p_hat, outcomes)
-
-  def gain_fn(k):
-    return q ** k.astype(jnp.float32) * (1.0 - q)
-
-  return _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware)
+  return _greedy(_summed_gain, q, None, costs, budget, valid, max_per_anchor, budget_unit,
+                 cost_aware)
 
 
 def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budget, valid,
@@ -491,17 +528,9 @@ def allocate_prefixes_tree_aware(p_hat, outcomes, costs, tree, tree_mixed, budge
   tree = jnp.asarray(tree, jnp.int32)
   tree_mixed = jnp.asarray(tree_mixed, bool)
   valid = jnp.asarray(valid, bool)
-  num_trees = tree_mixed.shape[0]
-  mixed_h = tree_mixed[jnp.clip(tree, 0, num_trees - 1)]
-
-  def gain_fn(k):
-    kf = k.astype(jnp.float32)
-    prod = jnp.exp(_tree_log_prod(q, kf, tree, valid, num_trees))
-    unmixed_gain = prod[jnp.clip(tree, 0, num_trees - 1)] * (1.0 - q)
-    mixed_gain = lam * q**kf * (1.0 - q)
-    return jnp.where(mixed_h, mixed_gain, unmixed_gain)
-
-  return _greedy(gain_fn, costs, budget, valid, max_per_anchor, budget_unit, cost_aware)
+  aux = (tree, tree_mixed, valid, jnp.asarray(lam, jnp.float32))
+  return _greedy(_tree_gain, q, aux, costs, budget, valid, max_per_anchor, budget_unit,
+                 cost_aware)
 
 
 def blend_with_outcomes(p_hat, successes, trials, prior_strength):
