@@ -32,7 +32,6 @@ the share of those neighbours that carry the prompt's own lesson: whether the fe
 prompts of one lesson together, apart from whether a small head can be fit to them.
 """
 
-import functools
 import json
 import math
 import os
@@ -58,7 +57,6 @@ def mixed_prob(k, n, m):
   return np.where(m > 0, out, 0.0)
 
 
-@functools.lru_cache(maxsize=1)
 def knn_predict(fit_feats, fit_rates, test_feats, k, prior, strength=2.0):
   """p̂ of each test prompt from the `k` fit prompts nearest in cosine similarity of their root
   features: the mean of their success rates, shrunk toward `prior` by `strength` pseudo-prompts.
