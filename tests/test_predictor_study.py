@@ -45,3 +45,33 @@ def test_knn_predict_reads_the_nearest_fit_prompts():
   assert (purity, chance) == (1.0, 0.5)
   with pytest.raises(ValueError, match="k=13"):
     ps.knn_predict(fit, rates, test, 13, prior=0.5)
+
+
+def test_implied_concentration_recovers_a_beta_spread():
+  # Prompts' rates drawn from Beta(κ p̂, κ (1 - p̂)) about a known p̂, 12 samples each: the pooled
+  # estimate comes back near κ; a p̂ equal to each prompt's rate gives a very large κ.
+  rng = np.random.default_rng(0)
+  n, kappa = 12, 3.0
+  p_hat = rng.uniform(0.2, 0.8, size=20000)
+  rate = rng.beta(kappa * p_hat, kappa * (1 - p_hat))
+  k = rng.binomial(n, rate)
+  assert ps.implied_concentration(p_hat, k, n) == pytest.approx(kappa, rel=0.08)
+  exact = rng.binomial(n, p_hat)
+  assert ps.implied_concentration(p_hat, exact, n) > 50
+
+
+def test_score_ranks_an_informed_predictor_above_a_constant_one():
+  from types import SimpleNamespace
+
+  c = SimpleNamespace(rollout=SimpleNamespace(candidate_prompts=12, prompts_per_step=4,
+                                              root_budget=16, min_per_prompt=2, max_per_prompt=6))
+  rng = np.random.default_rng(1)
+  n = 12
+  rate = rng.choice([0.02, 0.5, 0.98], size=60)  # a third of the prompts are coin flips
+  k = rng.binomial(n, rate)
+  own = ps.score(k / n, k, n, 0, 40, c)
+  flat = ps.score(np.full(60, 0.5), k, n, 0, 40, c)
+  assert own["selected_trees_mixed"] > flat["selected_trees_mixed"] + 0.2
+  assert flat["selected_trees_mixed"] == pytest.approx(flat["uniform_trees_mixed"], abs=0.15)
+  for kappa in ps.POSTERIOR_KAPPAS:
+    assert own[f"selected_trees_mixed_posterior{kappa:g}"] > flat["selected_trees_mixed"]

@@ -83,21 +83,39 @@ def neighbour_purity(near, fit_labels, test_labels):
   return float(same.mean()), float(chance)
 
 
-def selection(p_hat, k, n, rng, pools, c):
+def implied_concentration(p_hat, k, n):
+  """κ at which Beta(κ p̂, κ (1 - p̂)) has the spread of the prompts' true rates about p̂, pooled:
+  Σ p̂(1 - p̂) / Σ (p - p̂)² - 1, with (p - p̂)² estimated without bias from k of n samples,
+  (k/n - p̂)² - k(n - k) / (n²(n - 1)). Large: p̂ is each prompt's rate (the paper objective's
+  premise); small: p̂ is a mean over prompts whose rates sit far from it (inf if none do)."""
+  p_hat = np.asarray(p_hat, np.float64)
+  k = np.asarray(k, np.float64)
+  sq = (k / n - p_hat) ** 2 - k * (n - k) / (n * n * (n - 1))
+  spread = float(np.sum(sq))
+  return float(np.sum(p_hat * (1 - p_hat)) / spread - 1) if spread > 0 else float("inf")
+
+
+def selection(p_hat, k, n, rng, pools, c, concentration=None):
   """Stage 1 on random pools of the held-out prompts: mixed share of selected trees and of their
-  rollouts (estimated exactly from the samples), with the uniform choices beside them."""
+  rollouts (estimated exactly from the samples), with the uniform choices beside them. With
+  `concentration` κ the choice maximizes the posterior objective (E[V_root] under
+  p ~ Beta(κ p̂, κ (1 - p̂))) instead of the paper's V_root(p̂)."""
   import jax.numpy as jnp
+
+  from trace_jax.allocation.allocators import allocate_roots_subset as alloc
+  from trace_jax.allocation.allocators import root_value_table
 
   r = c.rollout
   P, sel = r.candidate_prompts, r.prompts_per_step
-  from trace_jax.allocation.allocators import allocate_roots_subset as alloc
-
+  counts = tuple(range(r.min_per_prompt, r.max_per_prompt + 1))
   even = max(1, round(r.root_budget / sel))
   trees, rollouts, uni, uni8 = [], [], [], []
   for _ in range(pools):
     idx = rng.choice(len(k), P, replace=False)
-    m = np.asarray(alloc(jnp.asarray(p_hat[idx], jnp.float32), r.root_budget, sel,
-                         r.min_per_prompt, r.max_per_prompt))
+    pool = jnp.asarray(p_hat[idx], jnp.float32)
+    values = (None if concentration is None
+              else root_value_table(pool, counts, "posterior", concentration))
+    m = np.asarray(alloc(pool, r.root_budget, sel, r.min_per_prompt, r.max_per_prompt, values))
     chosen = m > 0
     q = mixed_prob(k[idx][chosen], n, m[chosen])
     trees.append(q.mean())
@@ -111,15 +129,26 @@ def selection(p_hat, k, n, rng, pools, c):
               uniform8_trees_mixed=float(np.mean(uni8)))
 
 
-def score(p_hat, k, n, rng, pools, c):
+POSTERIOR_KAPPAS = (2.0, 8.0)  # stage 1 also scored under the posterior objective at these κ
+
+
+def score(p_hat, k, n, seed, pools, c):
+  """A predictor's AUC, Brier, correlation with the rates and implied κ on the held-out prompts,
+  and stage 1's choice under it on `pools` random pools drawn from `seed` (the paper objective,
+  then the posterior one at each of POSTERIOR_KAPPAS on the same pools)."""
   from trace_jax.allocation.predictor_metrics import auc, brier
 
   y = np.concatenate([np.r_[np.ones(int(ki)), np.zeros(n - int(ki))] for ki in k])
   p = np.repeat(p_hat, n)
   rate = k / n
   corr = float(np.corrcoef(p_hat, rate)[0, 1]) if np.std(p_hat) > 0 else float("nan")
-  return dict(auc=auc(p, y), brier=brier(p, y), corr=corr, p_hat_mean=float(np.mean(p_hat)),
-              p_hat_std=float(np.std(p_hat)), **selection(p_hat, k, n, rng, pools, c))
+  out = dict(auc=auc(p, y), brier=brier(p, y), corr=corr, p_hat_mean=float(np.mean(p_hat)),
+             p_hat_std=float(np.std(p_hat)), implied_kappa=implied_concentration(p_hat, k, n),
+             **selection(p_hat, k, n, np.random.default_rng(seed), pools, c))
+  for kappa in POSTERIOR_KAPPAS:  # the same pools (same seed), chosen by the posterior objective
+    pick = selection(p_hat, k, n, np.random.default_rng(seed), pools, c, kappa)
+    out[f"selected_trees_mixed_posterior{kappa:g}"] = pick["selected_trees_mixed"]
+  return out
 
 
 def sample(run, params, examples, group):
@@ -173,13 +202,15 @@ def study(run, params, pred_state, examples, label, has_head):
 
   def add(name, p_hat, **extra):
     out["predictors"][name] = dict(score(np.asarray(p_hat, np.float64), k_test, n,
-                                         np.random.default_rng(rng_seed), _POOLS.value, c),
+                                         rng_seed, _POOLS.value, c),
                                    **extra)
     s = out["predictors"][name]
     print(f"[{label}] {name:28s} auc {s['auc']:.3f} corr {s['corr']:+.3f} p̂ {s['p_hat_mean']:.2f}"
           f"±{s['p_hat_std']:.2f}  selected mixed {s['selected_trees_mixed']:.3f} (rollouts "
           f"{s['selected_rollouts_in_mixed']:.3f}) uniform {s['uniform_trees_mixed']:.3f} / "
-          f"8 each {s['uniform8_trees_mixed']:.3f}", flush=True)
+          f"8 each {s['uniform8_trees_mixed']:.3f}; implied κ {s['implied_kappa']:.1f}, posterior "
+          + " ".join(f"κ={kp:g} {s[f'selected_trees_mixed_posterior{kp:g}']:.3f}"
+                     for kp in POSTERIOR_KAPPAS), flush=True)
 
   from trace_jax.allocation.predictor_fit import PredictorFitter  # noqa: F401  (spread below)
   probe, _, _ = fit_head(run, pred_state, trees[:1], 1, False)  # for `spread` only
