@@ -75,3 +75,16 @@ def test_score_ranks_an_informed_predictor_above_a_constant_one():
   assert flat["selected_trees_mixed"] == pytest.approx(flat["uniform_trees_mixed"], abs=0.15)
   for kappa in ps.POSTERIOR_KAPPAS:
     assert own[f"selected_trees_mixed_posterior{kappa:g}"] > flat["selected_trees_mixed"]
+
+
+def test_binned_mixed_table_reads_mixedness_off_outcomes():
+  # p̂ says nothing about 0.5 here: prompts with p̂ near 0.5 never mix, those with p̂ near 0.9 do.
+  rng = np.random.default_rng(2)
+  n = 12
+  p_fit = np.r_[rng.uniform(0.45, 0.55, 100), rng.uniform(0.85, 0.95, 100)]
+  k_fit = np.r_[rng.choice([0, n], 100), rng.binomial(n, 0.5, 100)]
+  table = ps.binned_mixed_table(p_fit, k_fit, n, np.array([0.5, 0.9]), (2, 6), bins=2)
+  assert table[0].tolist() == [0.0, 0.0]
+  assert table[1] == pytest.approx([1 - 2 * 0.5 ** 2, 1 - 2 * 0.5 ** 6], abs=0.05)
+  with pytest.raises(ValueError, match="at least that many samples"):
+    ps.binned_mixed_table(p_fit, k_fit, n, np.array([0.5]), (2, 13))

@@ -95,11 +95,32 @@ def implied_concentration(p_hat, k, n):
   return float(np.sum(p_hat * (1 - p_hat)) / spread - 1) if spread > 0 else float("inf")
 
 
-def selection(p_hat, k, n, rng, pools, c, concentration=None):
+def binned_mixed_table(p_fit, k_fit, n, p_test, counts, bins=8):
+  """Stage 1's value table read off outcomes instead of V_root(p̂): the fit prompts are cut into
+  `bins` quantile bins of p̂, and the value of m rollouts for a test prompt is its bin's mean of
+  the exact chance that m of the fit prompt's n samples are mixed (`mixed_prob`). Selection by p̂
+  alone is ignorable given p̂, so a run's own trees would give these estimates without bias.
+  f32[len(p_test), len(counts)]."""
+  p_fit, p_test = np.asarray(p_fit, np.float64), np.asarray(p_test, np.float64)
+  if max(counts) > n:
+    raise ValueError(f"counts up to {max(counts)} need at least that many samples, have {n}")
+  edges = np.quantile(p_fit, np.linspace(0, 1, bins + 1)[1:-1])
+  fit_bin, test_bin = np.searchsorted(edges, p_fit), np.searchsorted(edges, p_test)
+  k_fit = np.asarray(k_fit)
+  table = np.zeros((bins, len(counts)))
+  for b in range(bins):
+    kb = k_fit[fit_bin == b]
+    for j, m in enumerate(counts):
+      table[b, j] = mixed_prob(kb, n, np.full(len(kb), m)).mean() if len(kb) else 0.0
+  return table[test_bin].astype(np.float32)
+
+
+def selection(p_hat, k, n, rng, pools, c, concentration=None, table=None):
   """Stage 1 on random pools of the held-out prompts: mixed share of selected trees and of their
   rollouts (estimated exactly from the samples), with the uniform choices beside them. With
   `concentration` κ the choice maximizes the posterior objective (E[V_root] under
-  p ~ Beta(κ p̂, κ (1 - p̂))) instead of the paper's V_root(p̂)."""
+  p ~ Beta(κ p̂, κ (1 - p̂))) instead of the paper's V_root(p̂); with `table` (f32[N, K] over
+  every prompt and the counts min..max per prompt) it maximizes that table."""
   import jax.numpy as jnp
 
   from trace_jax.allocation.allocators import allocate_roots_subset as alloc
@@ -115,6 +136,8 @@ def selection(p_hat, k, n, rng, pools, c, concentration=None):
     pool = jnp.asarray(p_hat[idx], jnp.float32)
     values = (None if concentration is None
               else root_value_table(pool, counts, "posterior", concentration))
+    if table is not None:
+      values = jnp.asarray(table[idx], jnp.float32)
     m = np.asarray(alloc(pool, r.root_budget, sel, r.min_per_prompt, r.max_per_prompt, values))
     chosen = m > 0
     q = mixed_prob(k[idx][chosen], n, m[chosen])
@@ -132,7 +155,7 @@ def selection(p_hat, k, n, rng, pools, c, concentration=None):
 POSTERIOR_KAPPAS = (2.0, 8.0)  # stage 1 also scored under the posterior objective at these κ
 
 
-def score(p_hat, k, n, seed, pools, c):
+def score(p_hat, k, n, seed, pools, c, table=None):
   """A predictor's AUC, Brier, correlation with the rates and implied κ on the held-out prompts,
   and stage 1's choice under it on `pools` random pools drawn from `seed` (the paper objective,
   then the posterior one at each of POSTERIOR_KAPPAS on the same pools)."""
@@ -144,7 +167,7 @@ def score(p_hat, k, n, seed, pools, c):
   corr = float(np.corrcoef(p_hat, rate)[0, 1]) if np.std(p_hat) > 0 else float("nan")
   out = dict(auc=auc(p, y), brier=brier(p, y), corr=corr, p_hat_mean=float(np.mean(p_hat)),
              p_hat_std=float(np.std(p_hat)), implied_kappa=implied_concentration(p_hat, k, n),
-             **selection(p_hat, k, n, np.random.default_rng(seed), pools, c))
+             **selection(p_hat, k, n, np.random.default_rng(seed), pools, c, table=table))
   for kappa in POSTERIOR_KAPPAS:  # the same pools (same seed), chosen by the posterior objective
     pick = selection(p_hat, k, n, np.random.default_rng(seed), pools, c, kappa)
     out[f"selected_trees_mixed_posterior{kappa:g}"] = pick["selected_trees_mixed"]
@@ -200,9 +223,9 @@ def study(run, params, pred_state, examples, label, has_head):
              test_prompts=int(len(k_test)), predictors={})
   rng_seed = _SEED.value + 1
 
-  def add(name, p_hat, **extra):
+  def add(name, p_hat, table=None, **extra):
     out["predictors"][name] = dict(score(np.asarray(p_hat, np.float64), k_test, n,
-                                         rng_seed, _POOLS.value, c),
+                                         rng_seed, _POOLS.value, c, table),
                                    **extra)
     s = out["predictors"][name]
     print(f"[{label}] {name:28s} auc {s['auc']:.3f} corr {s['corr']:+.3f} p̂ {s['p_hat_mean']:.2f}"
@@ -214,14 +237,25 @@ def study(run, params, pred_state, examples, label, has_head):
 
   from trace_jax.allocation.predictor_fit import PredictorFitter  # noqa: F401  (spread below)
   probe, _, _ = fit_head(run, pred_state, trees[:1], 1, False)  # for `spread` only
+  counts = tuple(range(c.rollout.min_per_prompt, c.rollout.max_per_prompt + 1))
+
+  def add_with_bins(name, state, nf, **extra):
+    """The head's p̂ as the paper objective reads it, then through `binned_mixed_table` fit on the
+    first `nf` prompts' outcomes (a bin per 24 prompts, at least 2)."""
+    p_test = probe.spread(state, feats[test])[0]
+    add(name, p_test, **extra)
+    p_fit = probe.spread(state, feats[:nf])[0]
+    table = binned_mixed_table(p_fit, k[:nf], n, p_test, counts, bins=max(2, nf // 24))
+    add(name + "_binned", p_test, table=table)
+
   if has_head:
-    add("run_head", probe.spread(pred_state, feats[test])[0])
+    add_with_bins("run_head", pred_state, n_fit_max)
   for nf in (int(v) for v in _FIT.value):
     for steps in (int(v) for v in _STEPS.value):
       for roots_only in (False, True):
         _, st, info = fit_head(run, pred_state, trees[:nf], steps, roots_only)
         name = f"fit{nf}_steps{steps}" + ("_roots" if roots_only else "")
-        add(name, probe.spread(st, feats[test])[0], fit_rows=info.get("predictor_fit_rows"))
+        add_with_bins(name, st, nf, fit_rows=info.get("predictor_fit_rows"))
   # References the method has no access to.
   lesson = [tuple(e.get("groups") or ()) for e in examples]
   fit_idx = range(n_fit_max)
