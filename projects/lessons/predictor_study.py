@@ -285,32 +285,34 @@ def study(run, params, pred_state, examples, label, has_head):
 
 
 def plot(results, path):
+  """Per condition (a row): each predictor's AUC, and the share of stage 1's selected trees that
+  are mixed beside the uniform choices at stage 1's count and at 8 per prompt."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
     return False
-  fig, axes = plt.subplots(1, 2 * len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+  rows = max(len(r["predictors"]) for r in results)
+  fig, axes = plt.subplots(len(results), 2, figsize=(12, 0.9 + 0.24 * rows * len(results)),
+                           squeeze=False, sharey="row")
   for j, res in enumerate(results):
-    names = list(res["predictors"])
     preds = res["predictors"]
-    ax = axes[0, 2 * j]
+    names = list(preds)
+    ax = axes[j, 0]
     ax.barh(names, [preds[n]["auc"] for n in names], color="C0")
     ax.axvline(0.5, c="gray", ls="--")
     ax.set(xlim=(0.4, 1.0), xlabel="AUC on held-out prompts' rollouts", title=res["condition"])
     ax.invert_yaxis()
-    ax = axes[0, 2 * j + 1]
+    ax = axes[j, 1]
     ax.barh(names, [preds[n]["selected_trees_mixed"] for n in names], color="C1",
             label="stage 1's selected trees")
     u = preds[names[0]]
     ax.axvline(u["uniform_trees_mixed"], c="k", ls="--",
                label=f"uniform, {u['uniform_per_prompt']} each")
     ax.axvline(u["uniform8_trees_mixed"], c="gray", ls=":", label="uniform, 8 each")
-    ax.set(xlabel="share of trees mixed", title=res["condition"])
-    ax.set_yticklabels([])
-    ax.invert_yaxis()
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set(xlim=(0, 1), xlabel="share of trees mixed", title=res["condition"])
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
