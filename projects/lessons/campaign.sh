@@ -11,6 +11,7 @@
 #   bash projects/lessons/campaign.sh ablate WORKER   # trace_best's changes one at a time (README)
 #   bash projects/lessons/campaign.sh replicate WORKER   # the pilot's main cell on world seed 3
 #   bash projects/lessons/campaign.sh replicate4 WORKER  # ... and on world seed 4
+#   bash projects/lessons/campaign.sh replicate5 WORKER  # ... and on world seed 5
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -95,7 +96,7 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    pilot|pilot_control|ablate|replicate|replicate4)
+    pilot|pilot_control|ablate|replicate|replicate4|replicate5)
       # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
       # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
@@ -105,7 +106,8 @@ phase() {
       # 0-1 then 2 (README). Children values are every arm's default, trace_paper's too.
       # replicate: grpo and trace_paper on world seed 3 (never run before), warm start 0, seeds
       # 0-2 (README). replicate4: the same on world seed 4 (never run before), fixed after
-      # replicate's result (README).
+      # replicate's result (README). replicate5: the same on world seed 5, fixed before
+      # replicate4's result was seen (README).
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
@@ -124,9 +126,10 @@ phase() {
       elif [ "$p" = replicate ]; then
         mapfile -t jobs < <(seed_major 0 1 3 grpo trace_paper)
         claims=runs/lessons_pilot/claims_replicate world_seed=3
-      elif [ "$p" = replicate4 ]; then
+      elif [ "$p" = replicate4 ] || [ "$p" = replicate5 ]; then
         mapfile -t jobs < <(seed_major 0 1 3 grpo trace_paper)
-        claims=runs/lessons_pilot/claims_replicate4 world_seed=4
+        world_seed=${p#replicate}
+        claims=runs/lessons_pilot/claims_$p
       else
         mapfile -t jobs < <(seed_major 0 1 2 grpo trace_paper)
         claims=runs/lessons_pilot/claims_control prefix=control_

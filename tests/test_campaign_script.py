@@ -1,0 +1,39 @@
+"""projects/lessons/campaign.sh: the jobs a phase issues (a stand-in `python` prints them)."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _jobs(tmp_path, *args):
+  """The compare.py command lines `campaign.sh ARGS` would run, in order."""
+  (tmp_path / "projects" / "lessons").mkdir(parents=True, exist_ok=True)
+  shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
+              tmp_path / "projects" / "lessons" / "campaign.sh")
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  (bin_dir / "python").write_text('#!/bin/sh\necho "python $*"\n')
+  (bin_dir / "python").chmod(0o755)
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+  out = subprocess.run(["bash", "projects/lessons/campaign.sh", *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, check=True).stdout
+  return [line for line in out.splitlines() if line.startswith("python launch/compare.py")]
+
+
+@pytest.mark.parametrize("phase,world", [("replicate", 3), ("replicate4", 4), ("replicate5", 5)])
+def test_replications_run_grpo_and_trace_paper_seed_major_on_their_world(tmp_path, phase, world):
+  jobs = _jobs(tmp_path, phase, "0")
+  got = [(re.search(r"--arm=(\S+)", j)[1], int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
+  assert got == [("grpo", 1), ("trace_paper", 1), ("grpo", 2), ("trace_paper", 2),
+                 ("grpo", 3), ("trace_paper", 3)]
+  for j in jobs:
+    assert f"--set=world.seed={world}" in j and "--warm_start_seed=0" in j
+    assert "--set=rl.steps=100" in j and f"w{world}-ws0/" in j
+  assert all(("--methods=grpo" in j) == ("--arm=grpo" in j) for j in jobs)
+  # A second worker finds every job claimed by the first.
+  assert _jobs(tmp_path, phase, "1") == []
