@@ -211,6 +211,8 @@ def validate(c: TrainConfig) -> None:
     raise ValueError(f"rl.predictor_holdout={c.rl.predictor_holdout} must be in [0, 1)")
   _choice(c, "rollout.root_objective", ROOT_OBJECTIVES)
   _positive(c, "rollout.root_concentration")
+  _at_least(c, "rollout.binned_bins", 1)
+  _at_least(c, "rollout.binned_window", 1)
   _at_least(c, "rollout.discovery_beta", 0)
   _choice(c, "rollout.anchors", ("all", "before_tool_call"))
   _choice(c, "rollout.stage2", ("batch", "stream"))

@@ -148,8 +148,13 @@ def _base():
   # Stage 1's value of m rollouts on a prompt: paper = V_root(p̂, m) = 1 - p̂^m - (1 - p̂)^m;
   # posterior = E[V_root] under p ~ Beta(κ p̂, κ (1 - p̂)); discovery = posterior + β x the expected
   # information (nats) m rollouts give about p. κ: the head ensemble's when rl.predictor_ensemble
-  # > 1 (moment-matched), else root_concentration.
+  # > 1 (moment-matched), else root_concentration. binned = the posterior's value with the Beta
+  # read off outcomes: the stage-1 trees of the last binned_window steps, cut into binned_bins
+  # quantile bins of p̂, give each bin a mean and a spread of true rates (a p̂ of 0.5 among prompts
+  # that always or never succeed is worth little); the paper objective until a step has run.
   c.rollout.root_objective = "paper"
+  c.rollout.binned_bins = 8
+  c.rollout.binned_window = 8
   c.rollout.root_concentration = 8.0
   c.rollout.discovery_beta = 0.5
   c.rollout.anchors = "all"       # all | before_tool_call (stage-2 anchors only before a tool call)

@@ -386,3 +386,29 @@ def test_eager_calls_compile_once_per_shape():
   for _ in range(3):
     call_all()
   assert [f._cache_size() for f in programs] == sizes
+
+
+def test_binned_root_beta_recovers_each_bins_spread():
+  # Two kinds of prompts the head cannot tell apart within a kind: at p̂ 0.3 the true rates are
+  # Beta(κ=1) about 0.6, at p̂ 0.8 they are Beta(κ=6) about 0.2 (a head both shifted and flat).
+  rng = np.random.default_rng(0)
+  n = 4000
+  p_log = np.r_[np.full(n, 0.3), np.full(n, 0.8)]
+  rate = np.r_[rng.beta(0.6, 0.4, n), rng.beta(1.2, 4.8, n)]
+  m_log = rng.integers(2, 9, 2 * n)
+  k_log = rng.binomial(m_log, rate)
+  mu, kappa = alloc.binned_root_beta(p_log, k_log, m_log, np.array([0.3, 0.8, 0.31]), bins=2)
+  assert mu[:2] == pytest.approx([0.6, 0.2], abs=0.02)
+  assert kappa[0] == pytest.approx(1.0, rel=0.15) and kappa[1] == pytest.approx(6.0, rel=0.25)
+  assert (mu[2], kappa[2]) == (mu[0], kappa[0])  # a query takes its bin's Beta
+  # Binomial noise alone (every prompt at its p̂) gives the top of the κ range, or near it.
+  k_flat = rng.binomial(m_log, p_log)
+  _, kappa_flat = alloc.binned_root_beta(p_log, k_flat, m_log, np.array([0.3, 0.8]), bins=2)
+  assert np.all(kappa_flat > 100)
+  # The table it feeds values a spread-out bin's rollouts less than a tight one's.
+  table = alloc.root_value_table(mu[:2], (4,), "binned", kappa[:2])
+  assert float(table[0, 0]) < float(table[1, 0])
+  with pytest.raises(ValueError, match="0 <= k <= m"):
+    alloc.binned_root_beta([0.5], [3], [2], [0.5])
+  with pytest.raises(ValueError, match="at least one"):
+    alloc.binned_root_beta([], [], [], [0.5])

@@ -668,3 +668,52 @@ def test_streamed_steps_decided_group_by_group(sampled):
   one group (the test engine's three trees end at different decode steps)."""
   assert sampled.info["stage2_streamed"] == 1.0
   assert 1 < sampled.info["stage2_decisions"] <= len(PROMPTS), sampled.info["stage2_decisions"]
+
+
+def test_binned_root_objective_reads_past_outcomes_not_p_hat(engine):
+  """root_objective="binned": the stage-1 trees logged so far, binned by p̂, give each bin's
+  Beta. Prompts at p̂ = 0.5 whose past peers always or never succeeded lose the budget to
+  prompts at p̂ = 0.88 whose peers mixed; before any log, the paper objective decides."""
+  logits = [0.0, 2.0, 0.0, 2.0, 0.0, 2.0]
+  prompts = [[30 + i, 40 + i] for i in range(6)]
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(prompts)]
+
+  def features(prompt_ids):
+    return np.asarray([[logits[prompts.index(list(p))], 1.0] for p in prompt_ids], np.float32)
+
+  cfg = DriverConfig(method="trace_tree", root_budget=9, prefix_budget=0, min_per_prompt=2,
+                     max_per_prompt=5, prompts_per_step=3, candidate_prompts=6,
+                     root_objective="binned", binned_bins=2, binned_window=4)
+  driver = RolloutDriver(None, cfg, predict, features, seed=0)
+  plan = driver.root_plan(examples, use_predictor=True)
+  assert np.flatnonzero(plan.counts).tolist() == [0, 2, 4] and plan.beta_mean is None
+  p_lo, p_hi = float(predict(np.zeros((1, 2)))[0]), float(predict(np.full((1, 2), 2.0))[0])
+  driver._root_log = [[(p_lo, k, 4) for k in (0, 4) * 4] + [(p_hi, 2, 4)] * 8]
+  plan = driver.root_plan(examples, use_predictor=True)
+  assert np.flatnonzero(plan.counts).tolist() == [1, 3, 5], plan.counts
+  assert plan.counts.sum() == 9 and plan.concentration[0] < 0.1 < plan.concentration[1]
+  assert plan.beta_mean[:2] == pytest.approx([0.5, 0.5], abs=0.03)
+  # A hard slot is still taken whatever the table says.
+  hard = RolloutDriver(None, dataclasses.replace(cfg, hard_prompts=1), predict, features, seed=0)
+  hard._root_log = driver._root_log
+  assert (hard.root_plan(examples, use_predictor=True).counts[0]) > 0
+  # The log travels with the driver's state (a resumed run allocates the same).
+  restored = RolloutDriver(None, cfg, predict, features, seed=0)
+  restored.load_state_dict(driver.state_dict())
+  np.testing.assert_array_equal(restored.root_plan(examples, True).counts, plan.counts)
+
+
+def test_binned_root_objective_logs_stage_one_trees(engine):
+  cfg = DriverConfig(method="trace_tree", root_objective="binned", binned_window=2, **CFG)
+  driver = RolloutDriver(engine, cfg, predict, prompt_features, seed=0)
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  for step in range(3):
+    s = driver.sample(examples, use_predictor=True)
+    logged = driver._root_log[-1]
+    stage1 = sorted(int(t.meta["stage1_rollouts"]) for t in s.all_trees)
+    assert sorted(m for _, _, m in logged) == stage1 and sum(stage1) == ROOT_BUDGET
+    assert all(0 <= k <= m for _, k, m in logged)
+    assert sorted(p for p, _, _ in logged) == pytest.approx(sorted(t.root.p_hat
+                                                                   for t in s.all_trees))
+    engine.release(s.all_trees)
+  assert len(driver._root_log) == 2  # the window

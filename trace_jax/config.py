@@ -143,6 +143,8 @@ class RolloutSection:
   keep_pool_kv: bool
   off_policy_steps: int = 0
   decode_steps: int = 8
+  binned_bins: int = 8
+  binned_window: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

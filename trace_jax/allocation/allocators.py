@@ -44,7 +44,71 @@ def root_value(p, m):
   return jnp.where(m >= 1, 1.0 - p**mf - (1.0 - p) ** mf, 0.0)
 
 
-ROOT_OBJECTIVES = ("paper", "posterior", "discovery")
+ROOT_OBJECTIVES = ("paper", "posterior", "discovery", "binned")
+
+
+def binned_root_beta(p_log, k_log, m_log, p_query, bins: int = 8, prior: float = 2.0,
+                     kappa_range: tuple[float, float] = (0.05, 1e4)):
+  """Stage 1's Beta over each query prompt's success rate, read off the outcomes of past prompts
+  with similar p̂ instead of taken from p̂ itself.
+
+  A head's p̂ is an average over the prompts that look alike to it; where those mostly always or
+  never succeed, a p̂ of 0.5 belongs to prompts that will rarely mix, and V_root(p̂, m) (which
+  reads p̂ as the prompt's own rate) sends the budget to exactly them. Here the logged prompts
+  (p̂ they were allocated with, k successes of their m stage-1 rollouts) are cut into `bins`
+  quantile bins of p̂; each bin gets a Beta by moments: mean μ = (Σk + prior μ_all) / (Σm +
+  prior) and the spread of the true rates Var = μ(1 - μ) - E[p(1 - p)], with E[p(1 - p)]
+  estimated without bias as the mean of k(m - k) / (m(m - 1)) over prompts with m >= 2; κ =
+  μ(1 - μ) / Var - 1, clipped to `kappa_range` (the top when the rates do not spread beyond
+  sampling noise). Each query prompt takes its bin's (μ, κ). Since stage 1 selects on p̂ alone,
+  the outcomes given p̂ are not biased by the selection.
+
+  Args:
+    p_log, k_log, m_log: f[N] logged p̂, successes and stage-1 rollouts (m >= 1).
+    p_query: f[Q] p̂ of the prompts to value.
+    bins: quantile bins (at most N // 4 are used, at least 1).
+    prior: pseudo-rollouts pulling a bin's mean toward the log's.
+    kappa_range: (lo, hi) bounds of κ.
+
+  Returns:
+    (mu f32[Q], kappa f32[Q]), for `root_value_table(mu, counts, "binned", kappa)`.
+
+  Example:
+    >>> p_log = np.r_[np.full(8, 0.5), np.full(8, 0.9)]  # p̂ 0.5: always or never; p̂ 0.9: coins
+    >>> k_log, m_log = np.r_[[0, 6] * 4, [3] * 8], np.full(16, 6)
+    >>> mu, kappa = binned_root_beta(p_log, k_log, m_log, np.array([0.5, 0.9]), bins=2)
+    >>> mu.round(2).tolist(), (kappa < 0.1).tolist()  # a U-shaped Beta at 0.5, a tight one at 0.9
+    ([0.5, 0.5], [True, False])
+  """
+  p_log, p_query = np.asarray(p_log, np.float64), np.asarray(p_query, np.float64)
+  k_log, m_log = np.asarray(k_log, np.float64), np.asarray(m_log, np.float64)
+  if not (p_log.shape == k_log.shape == m_log.shape) or p_log.ndim != 1:
+    raise ValueError(f"p_log, k_log, m_log must be f[N] alike, got {p_log.shape}, "
+                     f"{k_log.shape}, {m_log.shape}")
+  if len(p_log) == 0:
+    raise ValueError("binned_root_beta needs at least one logged prompt")
+  if np.any(m_log < 1) or np.any(k_log < 0) or np.any(k_log > m_log):
+    raise ValueError("need 0 <= k <= m and m >= 1 for every logged prompt")
+  lo, hi = kappa_range
+  n_bins = max(1, min(int(bins), len(p_log) // 4))
+  edges = np.quantile(p_log, np.linspace(0.0, 1.0, n_bins + 1)[1:-1])
+  at_log, at_query = np.searchsorted(edges, p_log), np.searchsorted(edges, p_query)
+  mu_all = k_log.sum() / m_log.sum()
+  mu_b, kappa_b = np.empty(n_bins), np.empty(n_bins)
+  for b in range(n_bins):
+    sel = at_log == b
+    k, m = k_log[sel], m_log[sel]
+    mu = (k.sum() + prior * mu_all) / (m.sum() + prior)
+    mu = float(np.clip(mu, 1e-3, 1.0 - 1e-3))
+    two = m >= 2
+    if two.any():
+      pq = float(np.mean(k[two] * (m[two] - k[two]) / (m[two] * (m[two] - 1.0))))
+      var = mu * (1.0 - mu) - pq
+      kappa = mu * (1.0 - mu) / var - 1.0 if var > 0 else hi
+    else:
+      kappa = hi
+    mu_b[b], kappa_b[b] = mu, float(np.clip(kappa, lo, hi))
+  return mu_b[at_query].astype(np.float32), kappa_b[at_query].astype(np.float32)
 
 
 def _log_rising(x, n, max_n: int):
@@ -142,6 +206,8 @@ def root_value_table(p_hat, counts, objective: str = "paper", concentration=8.0,
     discovery: posterior + β I(p; k_m) (`information_gain`): rollouts are also worth what they
                teach about a prompt whose p is unknown, which is how a prompt kind the policy has
                not solved yet (p̂ low but uncertain) gets rollouts that can find its first success.
+    binned:    the posterior's table, with p_hat and κ the Beta that past outcomes give each
+               prompt's bin of p̂ (`binned_root_beta`) rather than the head's.
 
   κ (`concentration`, scalar or f32[P]) is the head's certainty in pseudo-rollouts; both
   objectives reduce to "paper" as κ -> infinity. Any table of this shape can go to the allocators

@@ -59,6 +59,8 @@ class DriverConfig:
   anchors: str = "all"            # predicted stage 2: all | before_tool_call
   count_slice: bool = False       # the random slice's cost enters the ledger (it steers the run:
   #                                 Platt calibration, or the head fit on its trees)
+  binned_bins: int = 8            # root_objective=binned: quantile bins of p̂ ...
+  binned_window: int = 8          # ... over the stage-1 trees of the last this many steps
 
   @classmethod
   def from_rollout(cls, method: str, rollout) -> "DriverConfig":
@@ -98,6 +100,7 @@ class RolloutDriver:
     self.rng = np.random.default_rng(seed)
     self.predict_spread: Callable[[np.ndarray], tuple] | None = None
     self._slice_log: list[list] = []  # per step: the random slice's (stage, p̂, outcome)
+    self._root_log: list[list] = []  # binned objective, per step: (p̂, successes, rollouts)
     self._stage2_prices: list[float] = []  # streamed stage 2: the batch price of recent steps
     # (prompt keys, RootPlan) of the next step, whose stage-1 rollouts this step started ahead
     self._ahead: tuple[list, strategies.RootPlan] | None = None
@@ -107,12 +110,15 @@ class RolloutDriver:
     (stage, raw p̂, outcome) records per step, which the Platt calibration and the running slice
     metrics read."""
     return {"slice_log": [[list(x) for x in step] for step in self._slice_log],
-            "stage2_prices": list(self._stage2_prices)}
+            "stage2_prices": list(self._stage2_prices),
+            "root_log": [[list(x) for x in step] for step in self._root_log]}
 
   def load_state_dict(self, d: dict) -> None:
     self._slice_log[:] = [[(st, float(p), float(y)) for st, p, y in step]
                           for step in d.get("slice_log", [])]
     self._stage2_prices[:] = [float(x) for x in d.get("stage2_prices", [])]
+    self._root_log[:] = [[(float(p), int(k), int(m)) for p, k, m in step]
+                         for step in d.get("root_log", [])]
 
   def stage2_price(self, window: int = 4) -> float | None:
     """The streamed stage 2's price: the median batch price of the last `window` streamed steps
@@ -128,6 +134,24 @@ class RolloutDriver:
       return np.full(n, self.cfg.root_concentration, np.float32)
     mean, var = self.predict_spread(features)
     return np.asarray(allocators.concentration_from_spread(mean, var), np.float32)
+
+  def binned_beta(self, p_hat):
+    """The `binned` root objective's Beta per prompt, (mean f32[N], κ f32[N]), from the stage-1
+    trees of the last `binned_window` steps (`allocators.binned_root_beta`); None before any."""
+    rows = [x for step in self._root_log[-self.cfg.binned_window:] for x in step]
+    if not rows:
+      return None
+    p, k, m = (np.asarray(v) for v in zip(*rows))
+    return allocators.binned_root_beta(p, k, m, p_hat, bins=self.cfg.binned_bins)
+
+  def _log_roots(self, views, p_hat) -> None:
+    """Records each stage-1 tree's (p̂, successes, rollouts) for the binned objective."""
+    if self.cfg.root_objective != "binned":
+      return
+    step = [(float(p), sum(float(x.reward or 0.0) > 0.5 for x in v.leaves()), len(v.leaves()))
+            for v, p in zip(views, p_hat)]
+    self._root_log.append([x for x in step if x[2] > 0])
+    del self._root_log[:-self.cfg.binned_window]
 
   # ---- the strategy's decisions (also callable one by one, e.g. from a notebook) -----------------
   def root_plan(self, examples: list[dict], use_predictor: bool = True) -> strategies.RootPlan:
@@ -208,6 +232,7 @@ class RolloutDriver:
       for tree, view, p in zip(trees, stage1, plan.p_hat[counts > 0]):
         tree.root.p_hat = float(p)
         predictions += [("root", float(p), float(leaf.reward or 0.0)) for leaf in view.leaves()]
+      self._log_roots(stage1, plan.p_hat[counts > 0])
     info = _stage1_info(stage1, plan, len(examples), predictive)
     cands, conts = s2.cands, np.asarray(s2.conts, np.int32)
     info.update(_stage2_info(trees, cands, conts, [not v.mixed for v in stage1]))
@@ -507,7 +532,8 @@ def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:
     info["stage1_predicted_mixed"] = float(np.mean(allocators.root_value(p_hat[sel],
                                                                          counts[sel])))
     if plan.concentration is not None:  # what the Beta expects (no discovery term)
-      a, b = allocators.beta_params(p_hat[sel], plan.concentration[sel])
+      mean = plan.beta_mean if plan.beta_mean is not None else p_hat
+      a, b = allocators.beta_params(mean[sel], plan.concentration[sel])
       info["stage1_posterior_mixed"] = float(np.mean(allocators.root_value_posterior(
           a, b, counts[sel], int(counts.max()))))
       info["root_concentration_mean"] = float(np.mean(plan.concentration[sel]))

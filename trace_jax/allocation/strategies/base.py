@@ -79,7 +79,8 @@ class RootPlan:
   raw_p_hat: the head's own p̂ before calibration (None likewise). calibration: the Platt map
   (a, b) applied. slots: pool indices taken by forced slots ({"explored": ..., "hard": ...}).
   concentration: f32[P] κ of the Beta(κ p̂, κ (1 - p̂)) the root objective read (None for the
-  paper's point-estimate objective).
+  paper's point-estimate objective). beta_mean: f32[P] the Beta's mean where it is not p̂ (the
+  `binned` objective's, read off past outcomes), else None.
   """
   counts: np.ndarray
   p_hat: np.ndarray | None = None
@@ -88,6 +89,7 @@ class RootPlan:
   slots: dict = dataclasses.field(
       default_factory=lambda: {"explored": _NO_INDEX, "hard": _NO_INDEX})
   concentration: np.ndarray | None = None
+  beta_mean: np.ndarray | None = None
 
 
 class Strategy:

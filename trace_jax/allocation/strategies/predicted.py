@@ -45,17 +45,24 @@ class PredictedRoots(Strategy):
     # The forced slots apply whether or not the pool is larger than the step: with every prompt
     # taken, a slot still gives its prompt the share of the budget p̂ = 0.5 would get.
     seen, slots = forced_slots(p_hat, n_sel, c.hard_prompts, c.explore_prompts, driver.rng)
-    kappa = None
-    if c.root_objective != "paper":
+    kappa = mean = None
+    lo = c.min_per_prompt if n_sel < p else 0
+    if c.root_objective == "binned":  # the Beta of the p̂ bin's past outcomes (paper until any)
+      got = driver.binned_beta(p_hat)
+      if got is not None:
+        mean, kappa = got
+        table = np.array(_root_table("binned", lo, cap, c.discovery_beta)(mean, kappa))
+        for idx in slots.values():  # a forced slot is worth the most any prompt is
+          table[idx] = table.max(axis=0)
+    elif c.root_objective != "paper":
       kappa = driver.concentration(feats)
-      lo = c.min_per_prompt if n_sel < p else 0
       table = _root_table(c.root_objective, lo, cap, c.discovery_beta)(seen, kappa)
     if n_sel < p:  # choose the prompts as well as their counts
       alloc = _alloc_roots_subset(c.root_budget, n_sel, c.min_per_prompt, cap)
     else:
       alloc = _alloc_roots(c.root_budget, c.min_per_prompt, cap)
     counts = alloc(seen) if kappa is None else alloc(seen, table)
-    return RootPlan(np.asarray(counts), p_hat, raw, calibration, slots, kappa)
+    return RootPlan(np.asarray(counts), p_hat, raw, calibration, slots, kappa, mean)
 
   def candidates(self, trees):
     """The turn boundaries, and with `root_anchors` (config) the root of every tree whose stage-1
