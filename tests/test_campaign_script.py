@@ -37,3 +37,20 @@ def test_replications_run_grpo_and_trace_paper_seed_major_on_their_world(tmp_pat
   assert all(("--methods=grpo" in j) == ("--arm=grpo" in j) for j in jobs)
   # A second worker finds every job claimed by the first.
   assert _jobs(tmp_path, phase, "1") == []
+
+
+@pytest.mark.parametrize("world", [0, 1])
+def test_tune_binned_runs_three_arms_on_a_tune_world(tmp_path, world):
+  jobs = _jobs(tmp_path, f"tune_binned{world}", "0")
+  got = [(re.search(r"--arm=(\S+)", j)[1], int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
+  assert got == [(a, s) for s in (1, 2) for a in ("grpo", "trace_paper", "trace_binned")]
+  assert all(f"--set=world.seed={world}" in j for j in jobs)
+  binned = [j for j in jobs if "--arm=trace_binned" in j]
+  assert all("--set=rollout.root_objective=binned" in j and "--methods=trace_tree" in j
+             for j in binned)
+  assert not any("root_objective" in j for j in jobs if "--arm=trace_binned" not in j)
+
+
+def test_unknown_phase_is_refused(tmp_path):
+  with pytest.raises(subprocess.CalledProcessError):
+    _jobs(tmp_path, "replicate9", "0")

@@ -12,6 +12,8 @@
 #   bash projects/lessons/campaign.sh replicate WORKER   # the pilot's main cell on world seed 3
 #   bash projects/lessons/campaign.sh replicate4 WORKER  # ... and on world seed 4
 #   bash projects/lessons/campaign.sh replicate5 WORKER  # ... and on world seed 5
+#   bash projects/lessons/campaign.sh tune_binned0 WORKER  # the binned root objective, world 0
+#   bash projects/lessons/campaign.sh tune_binned1 WORKER  # ... world 1 (tune seeds, README)
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -96,7 +98,7 @@ phase() {
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
       arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
         "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
-    pilot|pilot_control|ablate|replicate|replicate4|replicate5)
+    pilot|pilot_control|ablate|replicate|replicate4|replicate5|tune_binned0|tune_binned1)
       # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
       # negative control, the same world with uniform frequency and one ε (0.55) for every lesson,
@@ -107,7 +109,8 @@ phase() {
       # replicate: grpo and trace_paper on world seed 3 (never run before), warm start 0, seeds
       # 0-2 (README). replicate4: the same on world seed 4 (never run before), fixed after
       # replicate's result (README). replicate5: the same on world seed 5, fixed before
-      # replicate4's result was seen (README).
+      # replicate4's result was seen (README). tune_binnedW: grpo, trace_paper and trace_binned
+      # (the binned root objective) on tune world seed W (0 or 1), warm start 0, seeds 0-1.
       # Two workers share the list (seed 0 of every arm first); a lock per arm keeps one run of an
       # arm at a time, so `--seeds=k` never restarts a seed the other worker is running.
       local worker=${only[0]:-0} jobs k=0 claims=runs/lessons_pilot/claims prefix="" world=()
@@ -126,6 +129,10 @@ phase() {
       elif [ "$p" = replicate ]; then
         mapfile -t jobs < <(seed_major 0 1 3 grpo trace_paper)
         claims=runs/lessons_pilot/claims_replicate world_seed=3
+      elif [ "${p#tune_binned}" != "$p" ]; then
+        mapfile -t jobs < <(seed_major 0 1 2 grpo trace_paper trace_binned)
+        world_seed=${p#tune_binned}
+        claims=runs/lessons_pilot/claims_$p
       elif [ "$p" = replicate4 ] || [ "$p" = replicate5 ]; then
         mapfile -t jobs < <(seed_major 0 1 3 grpo trace_paper)
         world_seed=${p#replicate}
@@ -152,6 +159,7 @@ phase() {
                                   --set=rollout.prefix_budget=16) ;;
           ablate_discovery) extra=(--methods=trace_tree "${BEST[4]}"
                                    --set=rollout.discovery_beta="$PILOT_BETA") ;;
+          trace_binned) extra=(--methods=trace_tree --set=rollout.root_objective=binned) ;;
         esac
         echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
@@ -160,7 +168,8 @@ phase() {
           arm "$prefix$name" "$world_seed" "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
         ) 9>"$claims/lock_${name}_$ws"
       done ;;
-    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate, replicate, replicate4)"; return 2 ;;
+    *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate, replicate," \
+            "replicate4, replicate5, tune_binned0, tune_binned1)"; return 2 ;;
   esac
 }
 
