@@ -237,6 +237,8 @@ def study(run, params, pred_state, examples, label, has_head):
 
   from trace_jax.allocation.predictor_fit import PredictorFitter  # noqa: F401  (spread below)
   probe, _, _ = fit_head(run, pred_state, trees[:1], 1, False)  # for `spread` only
+  from trace_jax.allocation.allocators import binned_root_beta, root_value_table
+
   counts = tuple(range(c.rollout.min_per_prompt, c.rollout.max_per_prompt + 1))
 
   def add_with_bins(name, state, nf, **extra):
@@ -245,8 +247,13 @@ def study(run, params, pred_state, examples, label, has_head):
     p_test = probe.spread(state, feats[test])[0]
     add(name, p_test, **extra)
     p_fit = probe.spread(state, feats[:nf])[0]
-    table = binned_mixed_table(p_fit, k[:nf], n, p_test, counts, bins=max(2, nf // 24))
+    bins = max(2, nf // 24)
+    table = binned_mixed_table(p_fit, k[:nf], n, p_test, counts, bins=bins)
     add(name + "_binned", p_test, table=table)
+    # The run's version (`rollout.root_objective=binned`): a Beta per bin by moments.
+    mu, kappa = binned_root_beta(p_fit, k[:nf], np.full(nf, n), p_test, bins=bins)
+    add(name + "_binned_beta", p_test,
+        table=np.asarray(root_value_table(mu, counts, "binned", kappa), np.float32))
 
   if has_head:
     add_with_bins("run_head", pred_state, n_fit_max)
