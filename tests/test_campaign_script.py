@@ -54,3 +54,18 @@ def test_tune_binned_runs_three_arms_on_a_tune_world(tmp_path, world):
 def test_unknown_phase_is_refused(tmp_path):
   with pytest.raises(subprocess.CalledProcessError):
     _jobs(tmp_path, "replicate9", "0")
+
+
+def test_a_stopped_workers_claims_are_retaken_a_running_ones_are_not(tmp_path):
+  claims = tmp_path / "runs" / "lessons_pilot" / "claims_replicate5"
+  host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  for k, pid in ((1, dead.pid), (2, os.getpid())):  # job 1's worker is gone, job 2's runs
+    (claims / str(k)).mkdir(parents=True)
+    (claims / str(k) / "owner").write_text(f"{pid} {host}\n")
+  jobs = _jobs(tmp_path, "replicate5", "0")
+  got = [(re.search(r"--arm=(\S+)", j)[1], int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
+  assert got == [("grpo", 1), ("grpo", 2), ("trace_paper", 2), ("grpo", 3), ("trace_paper", 3)]
+  assert (claims / "1" / f"retaken_from_{dead.pid}").is_dir()
+  assert _jobs(tmp_path, "replicate5", "1") == []  # now every claim has a live or new owner

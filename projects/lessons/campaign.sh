@@ -62,6 +62,17 @@ decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered
   esac
 }
 
+claim() {  # claim DIR: take a job, or retake an unfinished one whose worker on this host stopped
+  local pid="" host=""
+  if mkdir "$1" 2>/dev/null; then echo "$$ $(hostname)" > "$1/owner"; return 0; fi
+  [ -e "$1/done" ] && return 1
+  read -r pid host < "$1/owner" 2>/dev/null || return 1
+  [ -n "$pid" ] && [ "$host" = "$(hostname)" ] && ! kill -0 "$pid" 2>/dev/null || return 1
+  mkdir "$1/retaken_from_$pid" 2>/dev/null || return 1  # one worker retakes it
+  echo "$$ $(hostname)" > "$1/owner"
+  echo "retaking job $(basename "$1"): its worker ($pid) has stopped"
+}
+
 seed_major() {  # seed_major WS FROM TO ARM...: a job "ARM K WS" per K in FROM..TO, every arm at K
   local ws=$1 from=$2 to=$3 k a    # before any at K + 1 (a worker's "ARM K" runs seeds below K)
   shift 3
@@ -146,7 +157,7 @@ phase() {
       mkdir -p "$claims"
       for j in "${jobs[@]}"; do
         k=$((k + 1))
-        mkdir "$claims/$k" 2>/dev/null || continue  # taken by the other worker
+        claim "$claims/$k" || continue  # taken by the other worker
         set -- $j
         local name=$1 seeds=$2 ws=${3:-0} extra=()
         case $name in
@@ -166,7 +177,7 @@ phase() {
           flock 9
           OUT=$PILOT_OUT RUNS=runs/lessons_pilot COMMON[3]=--set=rl.steps=$PILOT_STEPS
           arm "$prefix$name" "$world_seed" "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
-        ) 9>"$claims/lock_${name}_$ws"
+        ) 9>"$claims/lock_${name}_$ws" && touch "$claims/$k/done"
       done ;;
     *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate, replicate," \
             "replicate4, replicate5, tune_binned0, tune_binned1)"; return 2 ;;
