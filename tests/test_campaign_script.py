@@ -69,3 +69,18 @@ def test_a_stopped_workers_claims_are_retaken_a_running_ones_are_not(tmp_path):
   assert got == [("grpo", 1), ("grpo", 2), ("trace_paper", 2), ("grpo", 3), ("trace_paper", 3)]
   assert (claims / "1" / f"retaken_from_{dead.pid}").is_dir()
   assert _jobs(tmp_path, "replicate5", "1") == []  # now every claim has a live or new owner
+
+
+def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp_path):
+  jobs = _jobs(tmp_path, "worlds", "0")
+  got = [(int(re.search(r"--set=world\.seed=(\d+)", j)[1]), re.search(r"--arm=(\S+)", j)[1],
+          int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
+  assert got == [(w, a, s) for s in (1, 2) for w in range(6, 30) for a in ("grpo", "trace_paper")]
+  for j in jobs:
+    assert "--warm_start_seed=0" in j and "--set=rl.steps=100" in j
+    assert "--out=projects/lessons/results/worlds/w" in j and "--runs=runs/lessons_worlds/w" in j
+    assert ("--methods=grpo" in j) == ("--arm=grpo" in j)
+    assert ("--methods=trace_tree" in j) == ("--arm=trace_paper" in j)
+    assert "root_objective" not in j
+  assert _jobs(tmp_path, "worlds", "1") == []
+  assert len(list((tmp_path / "runs" / "lessons_worlds" / "claims").glob("*/done"))) == 48

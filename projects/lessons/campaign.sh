@@ -14,6 +14,7 @@
 #   bash projects/lessons/campaign.sh replicate5 WORKER  # ... and on world seed 5
 #   bash projects/lessons/campaign.sh tune_binned0 WORKER  # the binned root objective, world 0
 #   bash projects/lessons/campaign.sh tune_binned1 WORKER  # ... world 1 (tune seeds, README)
+#   bash projects/lessons/campaign.sh worlds WORKER   # the many-worlds series (README)
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +29,11 @@ BEST_BETA=${BEST_BETA:-}
 PILOT_BETA=0.5
 PILOT_STEPS=100
 PILOT_OUT=projects/lessons/results/pilot
+# The many-worlds series (README, fixed before its first run): world seeds no comparison had
+# used, the arms, and the RL seeds per arm and world.
+SERIES_WORLDS=($(seq 6 29))
+SERIES_ARMS=(grpo trace_paper)
+SERIES_SEEDS=2
 COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
         --set=rl.steps="$STEPS" --set=eval.every=10)
 # Issue 30's estimates, together (its best arm): tree values from children, the predictor fit
@@ -59,6 +65,20 @@ decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered
     trace_hard) arm trace_hard "$world" "$ws" --methods=trace_tree --seeds=3 \
                   --set=rollout.hard_prompts=4 "$@" ;;
     *) echo "unknown arm $name"; return 2 ;;
+  esac
+}
+
+pilot_flags() {  # pilot_flags NAME: an arm's flags in the pilot and its follow-ups (no spaces)
+  case $1 in
+    grpo) echo --methods=grpo ;;
+    trace_paper) echo --methods=trace_tree ;;
+    trace_best) echo --methods=trace_tree "${BEST[@]}" --set=rollout.discovery_beta="$PILOT_BETA" ;;
+    ablate_fit) echo --methods=trace_tree "${BEST[@]:1:3}" ;;
+    ablate_fit_paid) echo --methods=trace_tree "${BEST[@]:1:3}" --set=rollout.prefix_budget=16 ;;
+    ablate_discovery) echo --methods=trace_tree "${BEST[4]}" \
+                        --set=rollout.discovery_beta="$PILOT_BETA" ;;
+    trace_binned) echo --methods=trace_tree --set=rollout.root_objective=binned ;;
+    *) echo "unknown pilot arm $1" >&2; return 2 ;;
   esac
 }
 
@@ -160,18 +180,7 @@ phase() {
         claim "$claims/$k" || continue  # taken by the other worker
         set -- $j
         local name=$1 seeds=$2 ws=${3:-0} extra=()
-        case $name in
-          grpo) extra=(--methods=grpo) ;;
-          trace_paper) extra=(--methods=trace_tree) ;;
-          trace_best) extra=(--methods=trace_tree "${BEST[@]}"
-                             --set=rollout.discovery_beta="$PILOT_BETA") ;;
-          ablate_fit) extra=(--methods=trace_tree "${BEST[@]:1:3}") ;;
-          ablate_fit_paid) extra=(--methods=trace_tree "${BEST[@]:1:3}"
-                                  --set=rollout.prefix_budget=16) ;;
-          ablate_discovery) extra=(--methods=trace_tree "${BEST[4]}"
-                                   --set=rollout.discovery_beta="$PILOT_BETA") ;;
-          trace_binned) extra=(--methods=trace_tree --set=rollout.root_objective=binned) ;;
-        esac
+        read -ra extra <<< "$(pilot_flags "$name")"
         echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
@@ -179,8 +188,30 @@ phase() {
           arm "$prefix$name" "$world_seed" "$ws" --seeds="$seeds" "${extra[@]}" "${world[@]}"
         ) 9>"$claims/lock_${name}_$ws" && touch "$claims/$k/done"
       done ;;
+    worlds)  # the many-worlds series (README): SERIES_WORLDS, warm start 0, PILOT_STEPS steps,
+      # SERIES_ARMS. A job is one world at one RL seed, its arms run one after the other by one
+      # worker (which builds that world's warm start; no worker waits on another's), every world
+      # at seed 0 before any world at seed 1. Outputs under results/worlds/w{W}-ws0/{arm}/.
+      local worker=${only[0]:-0} k=0 s w a claims=runs/lessons_worlds/claims
+      mkdir -p "$claims"
+      for s in $(seq 1 "$SERIES_SEEDS"); do
+        for w in "${SERIES_WORLDS[@]}"; do
+          k=$((k + 1))
+          claim "$claims/$k" || continue  # taken by the other worker
+          echo "worker $worker: world $w, seeds<$s"
+          (  # a lock per world: never two runs of one world's seeds at once
+            flock 9
+            OUT=projects/lessons/results/worlds RUNS=runs/lessons_worlds
+            COMMON[3]=--set=rl.steps=$PILOT_STEPS
+            for a in "${SERIES_ARMS[@]}"; do
+              read -ra extra <<< "$(pilot_flags "$a")"
+              arm "$a" "$w" 0 --seeds="$s" "${extra[@]}" || exit 1
+            done
+          ) 9>"$claims/lock_w$w" && touch "$claims/$k/done"
+        done
+      done ;;
     *) echo "unknown phase $p (tune, decide, control, pilot, pilot_control, ablate, replicate," \
-            "replicate4, replicate5, tune_binned0, tune_binned1)"; return 2 ;;
+            "replicate4, replicate5, tune_binned0, tune_binned1, worlds)"; return 2 ;;
   esac
 }
 
