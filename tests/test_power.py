@@ -89,8 +89,11 @@ def test_main_writes_its_files(tmp_path):
   arms = tmp_path / "pilot"
   (arms / "lessons").mkdir(parents=True)
   (arms / "lessons" / "summary.json").write_text(json.dumps(dict(runs=runs)))
-  run_dir = arms / "w0-ws0" / "grpo" / "runs" / "default" / "rollouts" / "grpo-seed0"
+  arm_dir = arms / "w0-ws0" / "grpo"
+  run_dir = arm_dir / "runs" / "default" / "rollouts" / "grpo-seed0"
   run_dir.mkdir(parents=True)
+  (arm_dir / "summary.json").write_text(json.dumps(dict(runs=[
+      dict(run="default/rollouts/grpo-seed0"), dict(run="default/rollouts/grpo-seed1")])))
   with gzip.open(run_dir / "metrics.jsonl.gz", "wt") as f:
     f.write(json.dumps({"step": -1, "sft_seconds": 100.0}) + "\n")
     f.write(json.dumps({"step": -1, "sft_seconds": 720.0}) + "\n")

@@ -34,17 +34,20 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import json
 import math
 import os
 import sys
 from collections import defaultdict
+from statistics import NormalDist
 
 import numpy as np
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-Z_TEST, Z_POWER = 1.959964, 0.841621  # two-sided 5%, 80% power
+sys.path.insert(0, os.path.join(_ROOT, "launch"))
+
+from campaign import archived_records, read_summary  # noqa: E402
+Z_TEST, Z_POWER = NormalDist().inv_cdf(0.975), NormalDist().inv_cdf(0.8)  # two-sided 5%, 80%
 DESIGNS = [(w, c, n) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) for c in (1, 2) for n in (1, 2, 3, 5)]
 
 
@@ -100,23 +103,17 @@ def design_se(sigma: float, tau: float, worlds: int, warm_starts: int, seeds: in
   return math.sqrt((tau ** 2 + 2 * sigma ** 2 / (warm_starts * seeds)) / worlds)
 
 
-def _phi(x: float) -> float:
-  return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-
 def warm_start_seconds(arms_dir: str) -> list[float]:
-  """The SFT seconds of every warm start built by a run archived under `arms_dir` (the run that
-  built one logs its SFT steps; the others read it from the cache)."""
+  """The SFT seconds of every warm start built by a run archived under `arms_dir` (each
+  `<cell>/<arm>/` output folder; the run that built one logs its SFT steps, the others read it
+  from the cache)."""
   out = []
-  for path in sorted(glob.glob(os.path.join(arms_dir, "*", "*", "runs", "**", "metrics.jsonl.gz"),
-                               recursive=True)):
-    last = None
-    with gzip.open(path, "rt") as f:
-      for line in f:
-        if '"sft_seconds"' in line:
-          last = json.loads(line)["sft_seconds"]
-    if last is not None:
-      out.append(float(last))
+  for arm_dir in sorted(glob.glob(os.path.join(arms_dir, "*", "*", ""))):
+    for row in (read_summary(arm_dir, missing_ok=True) or {}).get("runs", []):
+      sft = [r["sft_seconds"] for r in archived_records(arm_dir, row["run"]) or []
+             if "sft_seconds" in r]
+      if sft:
+        out.append(float(sft[-1]))
   return out
 
 
@@ -131,7 +128,7 @@ def design_table(sigma: float, taus: dict[str, float], gain: float, core_hours_p
       se = design_se(sigma, tau, w, c, n)
       row[f"se_{name}"] = se
       row[f"detectable_{name}"] = (Z_TEST + Z_POWER) * se
-      row[f"power_at_measured_{name}"] = _phi(gain / se - Z_TEST)
+      row[f"power_at_measured_{name}"] = NormalDist().cdf(gain / se - Z_TEST)
     rows.append(row)
   return rows
 
