@@ -75,12 +75,13 @@ def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp
   jobs = _jobs(tmp_path, "worlds", "0")
   got = [(int(re.search(r"--set=world\.seed=(\d+)", j)[1]), re.search(r"--arm=(\S+)", j)[1],
           int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
-  assert got == [(w, a, s) for s in (1, 2) for w in range(6, 30) for a in ("grpo", "trace_paper")]
+  assert got == [(w, a, s) for s in (1, 2) for w in range(6, 30)
+                 for a in ("grpo", "trace_paper", "trace_binned")]
   for j in jobs:
     assert "--warm_start_seed=0" in j and "--set=rl.steps=100" in j
     assert "--out=projects/lessons/results/worlds/w" in j and "--runs=runs/lessons_worlds/w" in j
     assert ("--methods=grpo" in j) == ("--arm=grpo" in j)
-    assert ("--methods=trace_tree" in j) == ("--arm=trace_paper" in j)
-    assert "root_objective" not in j
+    assert ("--methods=trace_tree" in j) == ("--arm=trace_paper" in j or "--arm=trace_binned" in j)
+    assert ("--set=rollout.root_objective=binned" in j) == ("--arm=trace_binned" in j)
   assert _jobs(tmp_path, "worlds", "1") == []
   assert len(list((tmp_path / "runs" / "lessons_worlds" / "claims").glob("*/done"))) == 48

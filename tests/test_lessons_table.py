@@ -62,7 +62,9 @@ def _write_arm(arms, tag, arm, method, world, ws, em_scale):
     run = f"default/tokens/{method}-seed{seed}"
     d = out / "runs" / run
     d.mkdir(parents=True)
-    recs = [{"step": s, "sample_seconds": 2.0, "update_seconds": 1.0} for s in range(1, 21)]
+    recs = [{"step": s, "sample_seconds": 2.0, "update_seconds": 1.0, "reward_mean": em_scale,
+             "effective_ratio": 0.5}
+            for s in range(1, 21)]
     recs += _curve([(0, 0.1), (1000, 0.1 + em_scale), (2000 + seed, 0.1 + 2 * em_scale)],
                    [{"r00_mentor": 0.2}, {"r00_mentor": 0.4 + em_scale},
                     {"r00_mentor": 0.6}])
@@ -94,8 +96,15 @@ def test_main_writes_the_campaign_summary(tmp_path):
   # The one lesson (fact-verb share 0.2 at step 0) is found in every run.
   assert all(r["lessons_unknown_at_start"] == 1 == r["lessons_found"] for r in s["runs"])
   assert "lessons found / unknown at step 0" in (out / "summary.md").read_text()
+  # One world: trace_best's gain over grpo there, beside grpo's sampled success (0.1).
+  (g,) = s["world_gains"]
+  assert (g["world_seed"], g["arm"], g["runs"], g["reference_runs"]) == (2, "trace_best", 4, 4)
+  assert g["gain"] == pytest.approx(best["em_at_equal_tokens"] - next(
+      a for a in s["arms"] if a["arm"] == "grpo")["em_at_equal_tokens"])
+  assert g["gain"] > 0 and g["reference_sampled_success"] == pytest.approx(0.1)
+  assert "Gain by world (exploratory)" in (out / "summary.md").read_text()
   for name in ("summary.md", "em_vs_tokens.png", "lessons_learned.png", "discovery.png",
-               "wall_clock.png"):
+               "gain_by_world.png", "wall_clock.png"):
     assert (out / name).stat().st_size > 0, name
 
 
@@ -126,3 +135,20 @@ def test_pooled_bootstrap_weighs_worlds_equally_and_widens_with_their_spread():
   # A world only one arm ran is left out.
   arm[4] = {0: [0.9]}
   assert lt.pooled_bootstrap(arm, ref, n=200)["n_worlds"] == 2
+
+
+def test_pooled_interval_level_sets_the_tails():
+  # Ten worlds whose gains are 0.00 .. 0.09 (no seed spread): the bootstrap spread is that of the
+  # mean of ten draws from them, and a higher level takes wider tails of the same replicates.
+  arm = {w: {0: [0.5 + 0.01 * w]} for w in range(10)}
+  ref = {w: {0: [0.5]} for w in range(10)}
+  a95 = lt.pooled_bootstrap(arm, ref, n=4000, level=0.95)
+  a975 = lt.pooled_bootstrap(arm, ref, n=4000, level=0.975)
+  a50 = lt.pooled_bootstrap(arm, ref, n=4000, level=0.5)
+  assert a95["diff"] == a975["diff"] == pytest.approx(0.045)
+  assert a975["lo"] < a95["lo"] < a50["lo"] < 0.045 < a50["hi"] < a95["hi"] < a975["hi"]
+  sd = np.std(np.arange(10) * 0.01) / np.sqrt(10)  # the mean's standard error under resampling
+  assert a95["hi"] - a95["lo"] == pytest.approx(2 * 1.96 * sd, rel=0.1)
+  assert a975["hi"] - a975["lo"] == pytest.approx(2 * 2.24 * sd, rel=0.1)
+  with pytest.raises(ValueError, match="level"):
+    lt.pooled_bootstrap(arm, ref, n=10, level=95)

@@ -32,7 +32,7 @@ PILOT_OUT=projects/lessons/results/pilot
 # The many-worlds series (README, fixed before its first run): world seeds no comparison had
 # used, the arms, and the RL seeds per arm and world.
 SERIES_WORLDS=($(seq 6 29))
-SERIES_ARMS=(grpo trace_paper)
+SERIES_ARMS=(grpo trace_paper trace_binned)
 SERIES_SEEDS=2
 COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
         --set=rl.steps="$STEPS" --set=eval.every=10)

@@ -13,7 +13,7 @@ per-step records, and writes to `--out`:
                  bootstrap 95% interval of the difference to the reference arm (warm starts
                  resampled, then seeds within each);
   summary.md     the same as tables;
-  em_vs_tokens.png, lessons_learned.png, discovery.png, wall_clock.png.
+  em_vs_tokens.png, lessons_learned.png, discovery.png, gain_by_world.png, wall_clock.png.
 
 Definitions. Mean EM at equal tokens: the area under held-out EM against cumulative generated
 tokens (every token that steers counts: compare.py's `generated_tokens_total`), from 0 to the
@@ -124,10 +124,18 @@ def budget_use(records: list[dict]) -> dict:
                           if "pool_p_hat_selected" in r and "pool_p_hat_left_out" in r else None))
 
 
-def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dict:
-  """Difference of means (arm - ref) with a 95% interval. `arm`, `ref`: {warm start: [per-seed
-  values]}. Each replicate draws warm starts with replacement (shared by both arms: they start
-  from the same warm starts), then seeds with replacement within each drawn warm start."""
+def _tails(level: float) -> list[float]:
+  if not 0 < level < 1:
+    raise ValueError(f"interval level must be in (0, 1), got {level}")
+  return [50 * (1 - level), 50 * (1 + level)]
+
+
+def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
+                           level: float = 0.95) -> dict:
+  """Difference of means (arm - ref) with a `level` (95%) interval. `arm`, `ref`: {warm start:
+  [per-seed values]}. Each replicate draws warm starts with replacement (shared by both arms:
+  they start from the same warm starts), then seeds with replacement within each drawn warm
+  start."""
   rng = np.random.default_rng(seed)
   wss = sorted(set(arm) & set(ref))
   if not wss:
@@ -139,17 +147,18 @@ def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) 
     a = [np.mean(rng.choice(arm[w], size=len(arm[w]))) for w in pick]
     b = [np.mean(rng.choice(ref[w], size=len(ref[w]))) for w in pick]
     reps[i] = np.mean(a) - np.mean(b)
-  lo, hi = np.percentile(reps, [2.5, 97.5])
+  lo, hi = np.percentile(reps, _tails(level))
   return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
               n_warm_starts=len(wss))
 
 
-def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dict:
-  """Difference of means (arm - ref) pooled over world seeds, with a 95% interval. `arm`, `ref`:
-  {world seed: {warm start: [per-seed values]}}. Each replicate draws world seeds with
-  replacement, then warm starts within each drawn world, then seeds within each warm start (both
-  arms share the draw of worlds and warm starts). The point estimate weighs worlds equally, and
-  warm starts equally within a world."""
+def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
+                     level: float = 0.95) -> dict:
+  """Difference of means (arm - ref) pooled over world seeds, with a `level` (95%) interval.
+  `arm`, `ref`: {world seed: {warm start: [per-seed values]}}. Each replicate draws world seeds
+  with replacement, then warm starts within each drawn world, then seeds within each warm start
+  (both arms share the draw of worlds and warm starts). The point estimate weighs worlds equally,
+  and warm starts equally within a world."""
   rng = np.random.default_rng(seed)
   worlds = sorted((w for w in set(arm) & set(ref) if set(arm[w]) & set(ref[w])), key=str)
   if not worlds:
@@ -167,7 +176,7 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0) -> dic
       da.append(np.mean([np.mean(rng.choice(arm[w][s], size=len(arm[w][s]))) for s in pick]))
       db.append(np.mean([np.mean(rng.choice(ref[w][s], size=len(ref[w][s]))) for s in pick]))
     reps[i] = np.mean(da) - np.mean(db)
-  lo, hi = np.percentile(reps, [2.5, 97.5])
+  lo, hi = np.percentile(reps, _tails(level))
   return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
               n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
 
@@ -188,7 +197,8 @@ def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
   return runs
 
 
-def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
+def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
+          level: float = 0.95) -> dict:
   """Adds the per-run figures and the per-arm aggregates (by world seed and setting)."""
   worlds = {}
   for r in runs:
@@ -229,16 +239,37 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> dict:
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
       if ref and arm != ref[0]["arm"]:
         group = lambda xs: _by_ws(xs, "em_at_equal_tokens")  # noqa: E731
-        agg["vs_reference"] = hierarchical_bootstrap(group(ars), group(ref), n=boot)
+        agg["vs_reference"] = hierarchical_bootstrap(group(ars), group(ref), n=boot,
+                                                     level=level)
         ha = _by_ws(ars, "lessons_learned_half")
         hr = _by_ws(ref, "lessons_learned_half")
         ma, mr = _mean_nested(ha), _mean_nested(hr)
         agg["lessons_half_ratio"] = ma / mr if mr else None
       arms_out.append(agg)
-  return dict(arms=arms_out, pooled=pooled(runs, reference, boot))
+  return dict(arms=arms_out, pooled=pooled(runs, reference, boot, level), level=level,
+              world_gains=world_gains(arms_out, reference))
 
 
-def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> list[dict]:
+def world_gains(aggs: list[dict], reference: str = "grpo") -> list[dict]:
+  """Per setting, world seed and arm: its mean EM at equal tokens minus the reference's in that
+  world, beside the reference's sampled success (its mean reward on the rollouts it trained on),
+  a measure of how hard the world is for the policy: where the gain might depend on it."""
+  ref = {(a["setting"], a["world_seed"]): a for a in aggs
+         if a["arm"] == _ref_name(reference, a["setting"])}
+  out = []
+  for a in aggs:
+    r = ref.get((a["setting"], a["world_seed"]))
+    if r is None or a is r or a["em_at_equal_tokens"] is None or r["em_at_equal_tokens"] is None:
+      continue
+    out.append(dict(setting=a["setting"], world_seed=a["world_seed"], arm=a["arm"],
+                    gain=a["em_at_equal_tokens"] - r["em_at_equal_tokens"],
+                    reference_sampled_success=r["sampled_success"], runs=a["runs"],
+                    reference_runs=r["runs"]))
+  return out
+
+
+def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
+           level: float = 0.95) -> list[dict]:
   """Each arm against the reference in mean EM at equal tokens, pooled over the world seeds
   where both ran (`pooled_bootstrap`); only where they share more than one world seed."""
   out = []
@@ -255,7 +286,7 @@ def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000) -> list
       if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
         continue
       out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting),
-                      **pooled_bootstrap(d, ref, n=boot)))
+                      **pooled_bootstrap(d, ref, n=boot, level=level)))
   return out
 
 
@@ -283,7 +314,8 @@ def _mean_nested(d: dict) -> float:
 
 
 def markdown(result: dict) -> str:
-  lines = ["| setting | world | arm | runs | mean EM at equal tokens | vs reference (95% CI) | "
+  ci = f"{100 * result.get('level', 0.95):g}% CI"
+  lines = [f"| setting | world | arm | runs | mean EM at equal tokens | vs reference ({ci}) | "
            "EM over run | lessons learned half / all | fact-verb lessons half / all | "
            "lessons at half vs reference | effective ratio | s / step | s to reference's final "
            "EM | generated tokens |", "|" + "---|" * 14]
@@ -302,10 +334,18 @@ def markdown(result: dict) -> str:
   if result.get("pooled"):
     lines += ["", "Pooled over world seeds (each world's mean EM at equal tokens; bootstrap over "
               "worlds, then warm starts, then seeds):", "",
-              "| setting | arm | vs | worlds | cells | difference (95% CI) |", "|" + "---|" * 6]
+              f"| setting | arm | vs | worlds | cells | difference ({ci}) |", "|" + "---|" * 6]
     for q in result["pooled"]:
       lines.append(f"| {q['setting']} | {q['arm']} | {q['reference']} | {q['n_worlds']} | "
                    f"{q['n_cells']} | {q['diff']:+.3f} [{q['lo']:+.3f}, {q['hi']:+.3f}] |")
+  if result.get("world_gains"):
+    lines += ["", "Gain by world (exploratory): each arm's mean EM at equal tokens minus the "
+              "reference's, beside the reference's sampled success:", "",
+              "| setting | world | arm | gain | reference's sampled success | runs / reference's |",
+              "|" + "---|" * 6]
+    for g in result["world_gains"]:
+      lines.append(f"| {g['setting']} | {g['world_seed']} | {g['arm']} | {g['gain']:+.3f} | "
+                   f"{f(g['reference_sampled_success'])} | {g['runs']} / {g['reference_runs']} |")
   lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
             "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
             "sampled success | p̂ selected - left out | lessons found / unknown at step 0 |",
@@ -373,6 +413,21 @@ def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = N
   fig.savefig(os.path.join(out_dir, "discovery.png"), dpi=110)
   plt.close(fig)
 
+  gains = [g for g in result.get("world_gains", []) if g["reference_sampled_success"] is not None]
+  if gains:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a in sorted({g["arm"] for g in gains}):
+      gs = [g for g in gains if g["arm"] == a]
+      ax.scatter([g["reference_sampled_success"] for g in gs], [g["gain"] for g in gs],
+                 color=colors[a], label=a, s=20)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set(xlabel="reference's sampled success (mean reward on its rollouts)",
+           ylabel="mean EM at equal tokens - reference's", title="gain by world")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "gain_by_world.png"), dpi=110)
+    plt.close(fig)
+
   fig, ax = plt.subplots(figsize=(8, 4.5))
   aggs = [a for a in result["arms"] if a["seconds_per_step"] is not None]
   xs = np.arange(len(aggs))
@@ -410,6 +465,8 @@ def main(argv=None) -> None:
                                                "lessons"))
   p.add_argument("--reference", default="grpo")
   p.add_argument("--boot", type=int, default=10000)
+  p.add_argument("--level", type=float, default=0.95, help="the intervals' level (0.975 for "
+                 "two primary contrasts at 95% together)")
   p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
   p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
                  "control, old; default: all)")
@@ -419,7 +476,7 @@ def main(argv=None) -> None:
     runs = [r for r in runs if _setting(r["arm"]) in a.settings.split(",")]
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
-  result = table(runs, a.reference, a.boot)
+  result = table(runs, a.reference, a.boot, a.level)
   os.makedirs(a.out, exist_ok=True)
   rows = [{k: v for k, v in r.items() if k not in ("records", "curve")} for r in runs]
   with open(os.path.join(a.out, "summary.json"), "w") as f:
