@@ -111,16 +111,20 @@ def test_main_writes_the_campaign_summary(tmp_path):
 def test_budget_use_means_over_rl_steps():
   recs = [dict(step=-1, sft_nll=1.0),  # warm start and evaluation records are not RL steps
           dict(step=1, effective_ratio=0.5, stage1_mixed=0.25, stage1_leaves=90, continuations=10,
-               reward_mean=0.2, pool_p_hat_selected=0.3, pool_p_hat_left_out=0.5),
+               reward_mean=0.2, pool_p_hat_selected=0.3, pool_p_hat_left_out=0.5,
+               root_counts_std=0.0),
           dict(step=2, effective_ratio=0.5, stage1_mixed=0.75, stage1_leaves=70, continuations=30,
-               reward_mean=0.4, pool_p_hat_selected=0.4, pool_p_hat_left_out=0.4),
+               reward_mean=0.4, pool_p_hat_selected=0.4, pool_p_hat_left_out=0.4,
+               root_counts_std=1.5),
           dict(step=2, eval_em=0.3)]
   u = lt.budget_use(recs)
   assert u["stage1_mixed"] == pytest.approx(0.5) and u["stage2_rollout_share"] == pytest.approx(0.2)
   assert u["sampled_success"] == pytest.approx(0.3) and u["pool_p_hat_gap"] == pytest.approx(-0.1)
+  assert u["stage1_even"] == pytest.approx(0.5)  # one step of two split evenly
   grpo = lt.budget_use([dict(step=1, effective_ratio=0.4, stage1_mixed=0.4, stage1_leaves=96,
                              reward_mean=0.5)])
   assert grpo["stage2_rollout_share"] == 0.0 and np.isnan(grpo["pool_p_hat_gap"])
+  assert np.isnan(grpo["stage1_even"])
 
 
 def test_pooled_bootstrap_weighs_worlds_equally_and_widens_with_their_spread():

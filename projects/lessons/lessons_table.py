@@ -106,8 +106,10 @@ def seconds_to_reach(curve: list[dict], records: list[dict], target: float) -> f
 def budget_use(records: list[dict]) -> dict:
   """Where a run's budget went, as means over its RL steps: the share of stage-1 trees with mixed
   outcomes (`stage1_mixed`), the share of the step's rollouts that are stage-2 continuations,
-  the sampled success rate, and how much harder (lower p̂) the prompts the pool selected were
-  than those it left out (TRACE arms; nan where a method has no such figure)."""
+  the sampled success rate, how much harder (lower p̂) the prompts the pool selected were
+  than those it left out, and the share of steps at which stage 1 gave every selected prompt the
+  same number of rollouts (`stage1_even`: its objective chose nothing over a uniform split)
+  (TRACE arms; nan where a method has no such figure)."""
   steps = [r for r in records if "effective_ratio" in r]
 
   def mean(fn):
@@ -121,7 +123,9 @@ def budget_use(records: list[dict]) -> dict:
           r.get("stage1_leaves", 0) + r.get("continuations", 0), 1)),
       sampled_success=mean(lambda r: r.get("reward_mean")),
       pool_p_hat_gap=mean(lambda r: r["pool_p_hat_selected"] - r["pool_p_hat_left_out"]
-                          if "pool_p_hat_selected" in r and "pool_p_hat_left_out" in r else None))
+                          if "pool_p_hat_selected" in r and "pool_p_hat_left_out" in r else None),
+      stage1_even=mean(lambda r: float(r["root_counts_std"] == 0) if "root_counts_std" in r
+                       else None))
 
 
 def _tails(level: float) -> list[float]:
@@ -233,7 +237,7 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
                 "lessons_learned_half", "lessons_learned_all", "fact_verb_lessons_half",
                 "fact_verb_lessons_all", "seconds_per_step", "seconds_to_reference_final",
                 "generated_tokens", "stage1_mixed", "stage2_rollout_share", "sampled_success",
-                "pool_p_hat_gap", "lessons_unknown_at_start", "lessons_found"):
+                "pool_p_hat_gap", "stage1_even", "lessons_unknown_at_start", "lessons_found"):
         v = [float(r[k]) for r in ars if r.get(k) is not None and np.isfinite(float(r[k]))]
         agg[k] = float(np.mean(v)) if v else None
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
@@ -348,12 +352,13 @@ def markdown(result: dict) -> str:
                    f"{f(g['reference_sampled_success'])} | {g['runs']} / {g['reference_runs']} |")
   lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
             "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
-            "sampled success | p̂ selected - left out | lessons found / unknown at step 0 |",
-            "|" + "---|" * 8]
+            "sampled success | p̂ selected - left out | steps stage 1 split evenly | "
+            "lessons found / unknown at step 0 |", "|" + "---|" * 9]
   for a in result["arms"]:
     lines.append(f"| {a['setting']} | {a['world_seed']} | {a['arm']} | {f(a['stage1_mixed'])} | "
                  f"{f(a['stage2_rollout_share'])} | {f(a['sampled_success'])} | "
-                 f"{f(a['pool_p_hat_gap'])} | {f(a['lessons_found'], 1)} / "
+                 f"{f(a['pool_p_hat_gap'])} | {f(a['stage1_even'], 2)} | "
+                 f"{f(a['lessons_found'], 1)} / "
                  f"{f(a['lessons_unknown_at_start'], 1)} |")
   return "\n".join(lines) + "\n"
 
