@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def _jobs(tmp_path, *args):
+def _jobs(tmp_path, *args, **env_vars):
   """The compare.py command lines `campaign.sh ARGS` would run, in order."""
   (tmp_path / "projects" / "lessons").mkdir(parents=True, exist_ok=True)
   shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
@@ -19,7 +19,7 @@ def _jobs(tmp_path, *args):
   bin_dir.mkdir(exist_ok=True)
   (bin_dir / "python").write_text('#!/bin/sh\necho "python $*"\n')
   (bin_dir / "python").chmod(0o755)
-  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", **env_vars)
   out = subprocess.run(["bash", "projects/lessons/campaign.sh", *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, check=True).stdout
   return [line for line in out.splitlines() if line.startswith("python launch/compare.py")]
@@ -85,3 +85,31 @@ def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp
     assert ("--set=rollout.root_objective=binned" in j) == ("--arm=trace_binned" in j)
   assert _jobs(tmp_path, "worlds", "1") == []
   assert len(list((tmp_path / "runs" / "lessons_worlds" / "claims").glob("*/done"))) == 48
+
+
+def test_the_deciding_phase_runs_six_arms_with_their_seeds_and_one_flag_table(tmp_path):
+  jobs = _jobs(tmp_path, "decide", BEST_BETA="0.25")
+  arms = ("grpo", "trace_paper", "trace_best", "dapo", "root_only", "trace_hard")
+  assert [(re.search(r"--arm=(\S+)", j)[1], re.search(r"--warm_start_seed=(\d)", j)[1])
+          for j in jobs] == [(a, ws) for ws in "01" for a in arms]
+  by_arm = {re.search(r"--arm=(\S+)", j)[1]: j.split() for j in jobs[:6]}
+  for a, seeds in (("grpo", "--seeds=5"), ("trace_paper", "--seeds=5"),
+                   ("trace_best", "--seeds=5"), ("dapo", "--baseline_seeds=3"),
+                   ("root_only", "--baseline_seeds=3"), ("trace_hard", "--seeds=3")):
+    assert seeds in by_arm[a] and "--set=world.seed=2" in by_arm[a], a
+  assert "--methods=dapo" in by_arm["dapo"] and "--methods=root_only" in by_arm["root_only"]
+  best = by_arm["trace_best"]
+  assert {"--methods=trace_tree", "--set=rl.tree_values=children",
+          "--set=rollout.root_objective=discovery", "--set=rollout.discovery_beta=0.25"} <= set(best)
+  assert "--set=rollout.hard_prompts=4" in by_arm["trace_hard"]
+  assert not any("root_objective" in f for f in by_arm["trace_paper"])
+  # The control phase's trace_best is the same arm on the flattened world.
+  control = {re.search(r"--arm=(\S+)", j)[1]: set(j.split())
+             for j in _jobs(tmp_path, "control", BEST_BETA="0.25")}
+  assert {f for f in best if f.startswith("--set=r")} <= control["control_trace_best"]
+  assert "--set=world.zipf_exponent=0" in control["control_trace_best"]
+
+
+def test_the_deciding_phase_refuses_trace_best_before_the_tune_phase(tmp_path):
+  jobs = _jobs(tmp_path, "decide", "trace_best", "grpo", BEST_BETA="")
+  assert [re.search(r"--arm=(\S+)", j)[1] for j in jobs] == ["grpo", "grpo"]

@@ -50,36 +50,36 @@ arm() {  # arm NAME WORLD_SEED WARM_START_SEED [compare.py flags...]
     --set=world.seed="$world" --runs="$RUNS/$tag/$name" --out="$OUT/$tag/$name" "$@"
 }
 
-decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered arms
-  local name=$1 world=$2 ws=$3
-  shift 3
-  case $name in
-    grpo) arm grpo "$world" "$ws" --methods=grpo --seeds=5 "$@" ;;
-    dapo) arm dapo "$world" "$ws" --methods=dapo --baseline_seeds=3 "$@" ;;
-    root_only) arm root_only "$world" "$ws" --methods=root_only --baseline_seeds=3 "$@" ;;
-    trace_paper) arm trace_paper "$world" "$ws" --methods=trace_tree --seeds=5 "$@" ;;
-    trace_best)
-      if [ -z "$BEST_BETA" ]; then echo "BEST_BETA is not set: run the tune phase first"; return 2; fi
-      arm trace_best "$world" "$ws" --methods=trace_tree --seeds=5 "${BEST[@]}" \
-        --set=rollout.discovery_beta="$BEST_BETA" "$@" ;;
-    trace_hard) arm trace_hard "$world" "$ws" --methods=trace_tree --seeds=3 \
-                  --set=rollout.hard_prompts=4 "$@" ;;
-    *) echo "unknown arm $name"; return 2 ;;
+arm_flags() {  # arm_flags NAME [BETA]: an arm's method flags, the one table of them (no spaces);
+  local beta=${2:-$PILOT_BETA}  # BETA: the discovery objective's β where the arm has it
+  case $1 in
+    grpo|dapo|root_only) echo "--methods=$1" ;;
+    trace_paper) echo --methods=trace_tree ;;
+    trace_best) echo --methods=trace_tree "${BEST[@]}" --set=rollout.discovery_beta="$beta" ;;
+    trace_hard) echo --methods=trace_tree --set=rollout.hard_prompts=4 ;;
+    ablate_fit) echo --methods=trace_tree "${BEST[@]:1:3}" ;;
+    ablate_fit_paid) echo --methods=trace_tree "${BEST[@]:1:3}" --set=rollout.prefix_budget=16 ;;
+    ablate_discovery) echo --methods=trace_tree "${BEST[4]}" --set=rollout.discovery_beta="$beta" ;;
+    trace_binned) echo --methods=trace_tree --set=rollout.root_objective=binned ;;
+    *) echo "unknown arm $1" >&2; return 2 ;;
   esac
 }
 
-pilot_flags() {  # pilot_flags NAME: an arm's flags in the pilot and its follow-ups (no spaces)
-  case $1 in
-    grpo) echo --methods=grpo ;;
-    trace_paper) echo --methods=trace_tree ;;
-    trace_best) echo --methods=trace_tree "${BEST[@]}" --set=rollout.discovery_beta="$PILOT_BETA" ;;
-    ablate_fit) echo --methods=trace_tree "${BEST[@]:1:3}" ;;
-    ablate_fit_paid) echo --methods=trace_tree "${BEST[@]:1:3}" --set=rollout.prefix_budget=16 ;;
-    ablate_discovery) echo --methods=trace_tree "${BEST[4]}" \
-                        --set=rollout.discovery_beta="$PILOT_BETA" ;;
-    trace_binned) echo --methods=trace_tree --set=rollout.root_objective=binned ;;
-    *) echo "unknown pilot arm $1" >&2; return 2 ;;
+decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered arms, their seeds
+  local name=$1 world=$2 ws=$3 seeds flags
+  shift 3
+  case $name in
+    grpo|trace_paper|trace_best) seeds=--seeds=5 ;;
+    dapo|root_only) seeds=--baseline_seeds=3 ;;
+    trace_hard) seeds=--seeds=3 ;;
+    *) echo "unknown arm $name"; return 2 ;;
   esac
+  if [ "$name" = trace_best ] && [ -z "$BEST_BETA" ]; then
+    echo "BEST_BETA is not set: run the tune phase first"; return 2
+  fi
+  flags=$(arm_flags "$name" "$BEST_BETA") || return 2
+  read -ra flags <<< "$flags"
+  arm "$name" "$world" "$ws" "${flags[@]}" "$seeds" "$@"
 }
 
 claim() {  # claim DIR: take a job, or retake an unfinished one whose worker on this host stopped
@@ -102,14 +102,14 @@ seed_major() {  # seed_major WS FROM TO ARM...: a job "ARM K WS" per K in FROM..
 phase() {
   local p=$1
   shift
-  local only=("$@")
+  local only=("$@") flags=() best=()
   case $p in
     tune)  # world seeds 0-1, warm start 0, 2 RL seeds: β of the estimates arm, grpo beside it
       for world in 0 1; do
         for beta in 0.25 0.5 1.0; do
           [ ${#only[@]} -gt 0 ] && [[ ! " ${only[*]} " =~ " beta$beta " ]] && continue
-          arm "tune_beta$beta" "$world" 0 --methods=trace_tree --seeds=2 "${BEST[@]}" \
-            --set=rollout.discovery_beta="$beta"
+          read -ra flags <<< "$(arm_flags trace_best "$beta")"
+          arm "tune_beta$beta" "$world" 0 "${flags[@]}" --seeds=2
         done
         [ ${#only[@]} -eq 0 ] || [[ " ${only[*]} " =~ " grpo " ]] && \
           arm tune_grpo "$world" 0 --methods=grpo --seeds=2
@@ -122,13 +122,12 @@ phase() {
       local flat=(--set=world.zipf_exponent=0 --set=world.expert_rate_lo=0.55
                   --set=world.expert_rate_hi=0.55)
       if [ -z "$BEST_BETA" ]; then echo "BEST_BETA is not set: run the tune phase first"; return 2; fi
+      read -ra best <<< "$(arm_flags trace_best "$BEST_BETA")"
       arm control_grpo 2 0 --methods=grpo --seeds=3 "${flat[@]}"
       arm control_trace_paper 2 0 --methods=trace_tree --seeds=3 "${flat[@]}"
-      arm control_trace_best 2 0 --methods=trace_tree --seeds=3 "${flat[@]}" "${BEST[@]}" \
-        --set=rollout.discovery_beta="$BEST_BETA"
+      arm control_trace_best 2 0 "${best[@]}" --seeds=3 "${flat[@]}"
       arm old_grpo 0 0 --config=configs/mhqa.py:tiny --methods=grpo --seeds=3
-      arm old_trace_best 0 0 --config=configs/mhqa.py:tiny --methods=trace_tree --seeds=3 \
-        "${BEST[@]}" --set=rollout.discovery_beta="$BEST_BETA" ;;
+      arm old_trace_best 0 0 --config=configs/mhqa.py:tiny "${best[@]}" --seeds=3 ;;
     pilot|pilot_control|ablate|replicate|replicate4|replicate5|tune_binned0|tune_binned1)
       # pilot: the reduced comparison fixed in the README before it ran: world seed 2, PILOT_STEPS
       # steps, grpo / trace_paper / trace_best (β = PILOT_BETA, not tuned). pilot_control: its
@@ -180,7 +179,7 @@ phase() {
         claim "$claims/$k" || continue  # taken by the other worker
         set -- $j
         local name=$1 seeds=$2 ws=${3:-0} extra=()
-        read -ra extra <<< "$(pilot_flags "$name")"
+        read -ra extra <<< "$(arm_flags "$name")"
         echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
@@ -204,7 +203,7 @@ phase() {
             OUT=projects/lessons/results/worlds RUNS=runs/lessons_worlds
             COMMON[3]=--set=rl.steps=$PILOT_STEPS
             for a in "${SERIES_ARMS[@]}"; do
-              read -ra extra <<< "$(pilot_flags "$a")"
+              read -ra extra <<< "$(arm_flags "$a")"
               arm "$a" "$w" 0 --seeds="$s" "${extra[@]}" || exit 1
             done
           ) 9>"$claims/lock_w$w" && touch "$claims/$k/done"
