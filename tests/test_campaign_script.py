@@ -100,7 +100,8 @@ def test_the_deciding_phase_runs_six_arms_with_their_seeds_and_one_flag_table(tm
   assert "--methods=dapo" in by_arm["dapo"] and "--methods=root_only" in by_arm["root_only"]
   best = by_arm["trace_best"]
   assert {"--methods=trace_tree", "--set=rl.tree_values=children",
-          "--set=rollout.root_objective=discovery", "--set=rollout.discovery_beta=0.25"} <= set(best)
+          "--set=rollout.root_objective=discovery",
+          "--set=rollout.discovery_beta=0.25"} <= set(best)
   assert "--set=rollout.hard_prompts=4" in by_arm["trace_hard"]
   assert not any("root_objective" in f for f in by_arm["trace_paper"])
   # The control phase's trace_best is the same arm on the flattened world.
