@@ -42,11 +42,13 @@ from collections import defaultdict
 from statistics import NormalDist
 
 import numpy as np
+from scipy.stats import chi2
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(_ROOT, "launch"))
 
 from campaign import archived_records, read_summary  # noqa: E402
+
 Z_TEST, Z_POWER = NormalDist().inv_cdf(0.975), NormalDist().inv_cdf(0.8)  # two-sided 5%, 80%
 DESIGNS = [(w, c, n) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) for c in (1, 2) for n in (1, 2, 3, 5)]
 
@@ -59,10 +61,6 @@ def cells_of(runs: list[dict], arm: str, reference: str, key: str = "em_at_equal
     if r.get("arm") in (arm, reference) and r.get(key) is not None:
       cells[(r.get("world_seed"), r.get("warm_start_seed"))][r["arm"]].append(float(r[key]))
   return {c: dict(v) for c, v in cells.items() if len(v.get(arm, ())) and len(v.get(reference, ()))}
-
-
-def _chi2_quantile(df: int, q: float, draws: int = 400_000, seed: int = 0) -> float:
-  return float(np.quantile(np.random.default_rng(seed).chisquare(df, draws), q))
 
 
 def variance_components(cells: dict, arm: str, reference: str) -> dict:
@@ -87,7 +85,7 @@ def variance_components(cells: dict, arm: str, reference: str) -> dict:
   k = len(d)
   s2 = float(np.var(d, ddof=1))
   tau2 = max(0.0, s2 - float(samp.mean()))
-  tau2_hi = max(0.0, (k - 1) * s2 / _chi2_quantile(k - 1, 0.10) - float(samp.mean()))
+  tau2_hi = max(0.0, (k - 1) * s2 / float(chi2.ppf(0.10, k - 1)) - float(samp.mean()))
   return dict(cells=k, seed_df=df, sigma=math.sqrt(sigma2), tau=math.sqrt(tau2),
               tau_upper90=math.sqrt(tau2_hi), cell_diff_sd=math.sqrt(s2),
               mean_diff=float(np.mean([np.mean(x) for x in by_world.values()])),
