@@ -156,3 +156,18 @@ def test_pooled_interval_level_sets_the_tails():
   assert a975["hi"] - a975["lo"] == pytest.approx(2 * 2.24 * sd, rel=0.1)
   with pytest.raises(ValueError, match="level"):
     lt.pooled_bootstrap(arm, ref, n=10, level=95)
+
+
+def test_complete_seeds_keeps_only_seeds_every_arm_finished():
+  def run(arm, world, seed, ws=0):
+    return dict(arm=arm, world_seed=world, warm_start_seed=ws, seed=seed)
+  runs = [run(a, 6, s) for a in ("grpo", "trace_paper", "trace_binned") for s in (0, 1)]
+  runs += [run("grpo", 7, 0), run("trace_paper", 7, 0), run("trace_binned", 7, 0),
+           run("grpo", 7, 1)]  # the series stopped inside world 7's seed 1
+  runs += [run("control_grpo", 2, 0), run("control_trace_paper", 2, 0)]  # another setting
+  kept, dropped = lt.complete_seeds(runs)
+  assert dropped == [run("grpo", 7, 1)]
+  assert len(kept) == len(runs) - 1
+  # A world whose seed 0 lacks one arm loses that seed for every arm.
+  kept, dropped = lt.complete_seeds([run("grpo", 8, 0), run("trace_paper", 8, 0)] + runs[:6])
+  assert {(r["world_seed"], r["arm"]) for r in dropped} == {(8, "grpo"), (8, "trace_paper")}

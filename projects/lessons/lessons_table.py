@@ -2,7 +2,7 @@
 
   python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
       [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000] [--cells w2-ws0]
-      [--settings decide]
+      [--settings decide] [--level 0.95] [--complete]
 
 Reads each `<arms>/<w{world}-ws{warm}>/<arm>/summary.json` (compare.py's schema) and its archived
 per-step records, and writes to `--out`:
@@ -183,6 +183,24 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
   lo, hi = np.percentile(reps, _tails(level))
   return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
               n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
+
+
+def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(kept, dropped): a run is kept when every arm of its setting has a run of the same seed in
+  the same world and warm start, so a series stopped part-way compares arms on the same seeds."""
+  arms = {}
+  have = {}
+  for r in runs:
+    arms.setdefault(_setting(r["arm"]), set()).add(r["arm"])
+    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed",
+                                                          r.get("warm_start_sha1")), r["seed"])
+    have.setdefault(key, set()).add(r["arm"])
+  kept, dropped = [], []
+  for r in runs:
+    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed",
+                                                          r.get("warm_start_sha1")), r["seed"])
+    (kept if have[key] == arms[key[0]] else dropped).append(r)
+  return kept, dropped
 
 
 def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
@@ -473,12 +491,20 @@ def main(argv=None) -> None:
   p.add_argument("--level", type=float, default=0.95, help="the intervals' level (0.975 for "
                  "two primary contrasts at 95% together)")
   p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
+  p.add_argument("--complete", action="store_true", help="keep a run only where every arm of "
+                 "its setting finished its seed in its world and warm start (a series stopped "
+                 "part-way)")
   p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
                  "control, old; default: all)")
   a = p.parse_args(argv)
   runs = load_runs(a.arms, a.cells)
   if a.settings:
     runs = [r for r in runs if _setting(r["arm"]) in a.settings.split(",")]
+  if a.complete:
+    runs, dropped = complete_seeds(runs)
+    if dropped:
+      print(f"left out {len(dropped)} runs whose seed not every arm of their cell finished: "
+            + ", ".join(f"w{r.get('world_seed')}/{r['arm']}/seed{r['seed']}" for r in dropped))
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
   result = table(runs, a.reference, a.boot, a.level)
