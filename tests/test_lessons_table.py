@@ -171,3 +171,41 @@ def test_complete_seeds_keeps_only_seeds_every_arm_finished():
   # A world whose seed 0 lacks one arm loses that seed for every arm.
   kept, dropped = lt.complete_seeds([run("grpo", 8, 0), run("trace_paper", 8, 0)] + runs[:6])
   assert {(r["world_seed"], r["arm"]) for r in dropped} == {(8, "grpo"), (8, "trace_paper")}
+
+
+def test_pooled_bootstrap_over_worlds_only_is_the_standard_error_of_a_mean_over_worlds():
+  # 40 worlds, 2 seeds a side, noise between seeds: resampling worlds only gives the spread of
+  # the mean of the per-world differences; redrawing seeds as well counts their noise twice.
+  rng = np.random.default_rng(1)
+  arm, ref = {}, {}
+  for w in range(40):
+    arm[w] = {0: list(0.5 + 0.01 + rng.normal(0, 0.02, 2))}
+    ref[w] = {0: list(0.5 + rng.normal(0, 0.02, 2))}
+  per_world = np.array([np.mean(arm[w][0]) - np.mean(ref[w][0]) for w in range(40)])
+  se = per_world.std() / np.sqrt(40)
+  worlds = lt.pooled_bootstrap(arm, ref, n=4000, resample="worlds")
+  everything = lt.pooled_bootstrap(arm, ref, n=4000, resample="all")
+  assert worlds["diff"] == everything["diff"] == pytest.approx(per_world.mean())
+  assert worlds["hi"] - worlds["lo"] == pytest.approx(2 * 1.96 * se, rel=0.1)
+  assert everything["hi"] - everything["lo"] > 1.15 * (worlds["hi"] - worlds["lo"])
+  with pytest.raises(ValueError, match="resample"):
+    lt.pooled_bootstrap(arm, ref, n=10, resample="seeds")
+
+
+def test_complete_seeds_counts_a_run_without_a_curve_as_unfinished():
+  runs = [dict(arm=a, world_seed=6, warm_start_seed=0, seed=0, curve=[{"eval_em": 0.1}])
+          for a in ("grpo", "trace_paper")]
+  runs[1]["curve"] = []
+  kept, dropped = lt.complete_seeds(runs)
+  assert kept == [] and len(dropped) == 2
+
+
+def test_a_world_with_under_three_runs_a_side_gets_no_interval(tmp_path):
+  arms = tmp_path / "arms"
+  _write_arm(arms, "w6-ws0", "grpo", "grpo", 6, 0, 0.1)
+  _write_arm(arms, "w6-ws0", "trace_paper", "trace_tree", 6, 0, 0.15)
+  lt.main([f"--arms={arms}", f"--out={tmp_path / 'out'}", "--boot=200"])
+  s = json.loads((tmp_path / "out" / "summary.json").read_text())
+  vs = next(a for a in s["arms"] if a["arm"] == "trace_paper")["vs_reference"]
+  assert vs["diff"] > 0 and vs["lo"] is None and vs["hi"] is None
+  assert "(under 3 runs a side)" in (tmp_path / "out" / "summary.md").read_text()

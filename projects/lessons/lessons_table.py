@@ -2,7 +2,7 @@
 
   python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
       [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000] [--cells w2-ws0]
-      [--settings decide] [--level 0.95] [--complete]
+      [--settings decide] [--level 0.95] [--complete] [--resample all|worlds]
 
 Reads each `<arms>/<w{world}-ws{warm}>/<arm>/summary.json` (compare.py's schema) and its archived
 per-step records, and writes to `--out`:
@@ -157,12 +157,17 @@ def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
 
 
 def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
-                     level: float = 0.95) -> dict:
+                     level: float = 0.95, resample: str = "all") -> dict:
   """Difference of means (arm - ref) pooled over world seeds, with a `level` (95%) interval.
-  `arm`, `ref`: {world seed: {warm start: [per-seed values]}}. Each replicate draws world seeds
-  with replacement, then warm starts within each drawn world, then seeds within each warm start
-  (both arms share the draw of worlds and warm starts). The point estimate weighs worlds equally,
-  and warm starts equally within a world."""
+  `arm`, `ref`: {world seed: {warm start: [per-seed values]}}. The point estimate weighs worlds
+  equally, and warm starts equally within a world. `resample="all"`: each replicate draws world
+  seeds with replacement, then warm starts within each drawn world, then seeds within each warm
+  start (both arms share the draw of worlds and warm starts); conservative, as a world's mean
+  already holds its seeds' noise and redrawing them adds it again. `resample="worlds"`: each
+  replicate draws world seeds only, each with its observed difference: the standard error of
+  a mean over independent worlds, right when there are many of them."""
+  if resample not in ("all", "worlds"):
+    raise ValueError(f"resample must be 'all' or 'worlds', got {resample!r}")
   rng = np.random.default_rng(seed)
   worlds = sorted((w for w in set(arm) & set(ref) if set(arm[w]) & set(ref[w])), key=str)
   if not worlds:
@@ -173,7 +178,11 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
     return float(np.mean([np.mean([np.mean(d[w][s]) for s in wss[w]]) for w in worlds]))
 
   reps = np.empty(n)
-  for i in range(n):
+  if resample == "worlds":
+    per_world = np.array([np.mean([np.mean(arm[w][s]) - np.mean(ref[w][s]) for s in wss[w]])
+                          for w in worlds])
+    reps = per_world[rng.integers(len(worlds), size=(n, len(worlds)))].mean(axis=1)
+  for i in range(n if resample == "all" else 0):
     da, db = [], []
     for w in (worlds[j] for j in rng.integers(len(worlds), size=len(worlds))):
       pick = [wss[w][j] for j in rng.integers(len(wss[w]), size=len(wss[w]))]
@@ -186,20 +195,21 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
 
 
 def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
-  """(kept, dropped): a run is kept when every arm of its setting has a run of the same seed in
-  the same world and warm start, so a series stopped part-way compares arms on the same seeds."""
-  arms = {}
-  have = {}
+  """(kept, dropped): a run is kept when every arm of its setting (every arm the folders hold,
+  less the `control_`/`old_`/`tune_` prefixes' own sets) has a run of the same seed and warm
+  start in its world with an evaluation curve, so a series stopped part-way compares its arms on
+  the same (world, seed) pairs. A run with no curve counts as unfinished. Read one series' folder
+  (or `--cells`): an arm run on some worlds only empties the others."""
+  arms, have = {}, {}
+  key = lambda r: (_setting(r["arm"]), r.get("world_seed"),  # noqa: E731
+                   r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("seed"))
   for r in runs:
-    arms.setdefault(_setting(r["arm"]), set()).add(r["arm"])
-    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed",
-                                                          r.get("warm_start_sha1")), r["seed"])
-    have.setdefault(key, set()).add(r["arm"])
+    arms.setdefault(key(r)[0], set()).add(r["arm"])
+    if r.get("curve", True):  # rows without a "curve" field are taken as finished
+      have.setdefault(key(r), set()).add(r["arm"])
   kept, dropped = [], []
   for r in runs:
-    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed",
-                                                          r.get("warm_start_sha1")), r["seed"])
-    (kept if have[key] == arms[key[0]] else dropped).append(r)
+    (kept if have.get(key(r), set()) == arms[key(r)[0]] else dropped).append(r)
   return kept, dropped
 
 
@@ -220,7 +230,7 @@ def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
 
 
 def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
-          level: float = 0.95) -> dict:
+          level: float = 0.95, resample: str = "all") -> dict:
   """Adds the per-run figures and the per-arm aggregates (by world seed and setting)."""
   worlds = {}
   for r in runs:
@@ -228,9 +238,11 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
     worlds.setdefault(key, []).append(r)
   arms_out = []
   for (world, setting), rs in sorted(worlds.items(), key=lambda kv: str(kv[0])):
-    budget = min(r["curve"][-1].get("generated_tokens_total", 0) for r in rs if r["curve"])
+    budget = min((r["curve"][-1].get("generated_tokens_total", 0) for r in rs if r["curve"]),
+                 default=0)
     ref = [r for r in rs if r["arm"] == _ref_name(reference, setting)]
-    ref_final = float(np.mean([r["curve"][-1]["eval_em"] for r in ref])) if ref else float("nan")
+    finals = [r["curve"][-1]["eval_em"] for r in ref if r["curve"]]
+    ref_final = float(np.mean(finals)) if finals else float("nan")
     for r in rs:
       c = r["curve"]
       r["em_at_equal_tokens"] = em_at_equal_tokens(c, budget)
@@ -263,12 +275,15 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
         group = lambda xs: _by_ws(xs, "em_at_equal_tokens")  # noqa: E731
         agg["vs_reference"] = hierarchical_bootstrap(group(ars), group(ref), n=boot,
                                                      level=level)
+        if min(len(ars), len(ref)) < 3:  # a bootstrap of one or two runs a side is no interval
+          agg["vs_reference"].update(lo=None, hi=None)
         ha = _by_ws(ars, "lessons_learned_half")
         hr = _by_ws(ref, "lessons_learned_half")
         ma, mr = _mean_nested(ha), _mean_nested(hr)
         agg["lessons_half_ratio"] = ma / mr if mr else None
       arms_out.append(agg)
-  return dict(arms=arms_out, pooled=pooled(runs, reference, boot, level), level=level,
+  return dict(arms=arms_out, pooled=pooled(runs, reference, boot, level, resample),
+              level=level, resample=resample,
               world_gains=world_gains(arms_out, reference))
 
 
@@ -291,7 +306,7 @@ def world_gains(aggs: list[dict], reference: str = "grpo") -> list[dict]:
 
 
 def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
-           level: float = 0.95) -> list[dict]:
+           level: float = 0.95, resample: str = "all") -> list[dict]:
   """Each arm against the reference in mean EM at equal tokens, pooled over the world seeds
   where both ran (`pooled_bootstrap`); only where they share more than one world seed."""
   out = []
@@ -308,7 +323,7 @@ def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
       if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
         continue
       out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting),
-                      **pooled_bootstrap(d, ref, n=boot, level=level)))
+                      **pooled_bootstrap(d, ref, n=boot, level=level, resample=resample)))
   return out
 
 
@@ -344,7 +359,8 @@ def markdown(result: dict) -> str:
   f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
   for a in result["arms"]:
     vs = a.get("vs_reference")
-    vs_s = "-" if not vs else f"{vs['diff']:+.3f} [{vs['lo']:+.3f}, {vs['hi']:+.3f}]"
+    vs_s = "-" if not vs else f"{vs['diff']:+.3f} " + (
+        "(under 3 runs a side)" if vs["lo"] is None else f"[{vs['lo']:+.3f}, {vs['hi']:+.3f}]")
     lines.append(
         f"| {a['setting']} | {a['world_seed']} | {a['arm']} | {a['runs']} | "
         f"{f(a['em_at_equal_tokens'])} ± {f(a['em_at_equal_tokens_std'])} | {vs_s} | "
@@ -354,8 +370,10 @@ def markdown(result: dict) -> str:
         f"{f(a['effective_ratio'])} | {f(a['seconds_per_step'], 1)} | "
         f"{f(a['seconds_to_reference_final'], 0)} | {f(a['generated_tokens'], 0)} |")
   if result.get("pooled"):
+    draws = ("worlds only" if result.get("resample") == "worlds" else
+             "worlds, then warm starts, then seeds")
     lines += ["", "Pooled over world seeds (each world's mean EM at equal tokens; bootstrap over "
-              "worlds, then warm starts, then seeds):", "",
+              f"{draws}):", "",
               f"| setting | arm | vs | worlds | cells | difference ({ci}) |", "|" + "---|" * 6]
     for q in result["pooled"]:
       lines.append(f"| {q['setting']} | {q['arm']} | {q['reference']} | {q['n_worlds']} | "
@@ -491,23 +509,29 @@ def main(argv=None) -> None:
   p.add_argument("--level", type=float, default=0.95, help="the intervals' level (0.975 for "
                  "two primary contrasts at 95% together)")
   p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
-  p.add_argument("--complete", action="store_true", help="keep a run only where every arm of "
-                 "its setting finished its seed in its world and warm start (a series stopped "
+  p.add_argument("--complete", action="store_true", help="keep a run only where every arm of its "
+                 "setting finished its seed and warm start in its world (a series stopped "
                  "part-way)")
+  p.add_argument("--resample", default="all", choices=("all", "worlds"), help="the pooled "
+                 "bootstrap's draws: worlds, warm starts and seeds (all), or worlds only")
   p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
                  "control, old; default: all)")
   a = p.parse_args(argv)
   runs = load_runs(a.arms, a.cells)
   if a.settings:
     runs = [r for r in runs if _setting(r["arm"]) in a.settings.split(",")]
+  dropped = []
   if a.complete:
     runs, dropped = complete_seeds(runs)
     if dropped:
-      print(f"left out {len(dropped)} runs whose seed not every arm of their cell finished: "
-            + ", ".join(f"w{r.get('world_seed')}/{r['arm']}/seed{r['seed']}" for r in dropped))
+      print(f"left out {len(dropped)} runs whose seed not every arm of their setting finished: "
+            + ", ".join(f"w{r.get('world_seed')}/{r['arm']}/seed{r.get('seed')}"
+                        for r in dropped))
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
-  result = table(runs, a.reference, a.boot, a.level)
+  result = table(runs, a.reference, a.boot, a.level, a.resample)
+  result["left_out"] = [dict(arm=r["arm"], world_seed=r.get("world_seed"), seed=r.get("seed"),
+                             warm_start_seed=r.get("warm_start_seed")) for r in dropped]
   os.makedirs(a.out, exist_ok=True)
   rows = [{k: v for k, v in r.items() if k not in ("records", "curve")} for r in runs]
   with open(os.path.join(a.out, "summary.json"), "w") as f:
@@ -515,6 +539,9 @@ def main(argv=None) -> None:
         argv if argv is not None else sys.argv[1:]), runs=rows, **result), f, indent=1)
   with open(os.path.join(a.out, "summary.md"), "w") as f:
     f.write(markdown(result))
+    if result["left_out"]:
+      f.write("\nLeft out (`--complete`: a seed not every arm finished in its world): " + ", ".join(
+          f"w{d['world_seed']}/{d['arm']}/seed{d['seed']}" for d in result["left_out"]) + "\n")
   lessons = {}
   for r in runs:
     key = (r.get("world_seed"), tuple(r["world_overrides"]))
