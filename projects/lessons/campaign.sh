@@ -51,7 +51,10 @@ arm() {  # arm NAME WORLD_SEED WARM_START_SEED [compare.py flags...]
 }
 
 arm_flags() {  # arm_flags NAME [BETA]: an arm's method flags, the one table of them (no spaces);
-  local beta=${2:-$PILOT_BETA}  # BETA: the discovery objective's β where the arm has it
+  local beta=${2:-}  # BETA: the discovery objective's β, required by the arms that have it
+  case $1 in trace_best|ablate_discovery)
+    [ -n "$beta" ] || { echo "arm $1 needs a β (BEST_BETA: run the tune phase first)" >&2; return 2; }
+  esac
   case $1 in
     grpo|dapo|root_only) echo "--methods=$1" ;;
     trace_paper) echo --methods=trace_tree ;;
@@ -74,9 +77,6 @@ decide_arm() {  # decide_arm NAME WORLD WS [extra flags]: the six pre-registered
     trace_hard) seeds=--seeds=3 ;;
     *) echo "unknown arm $name"; return 2 ;;
   esac
-  if [ "$name" = trace_best ] && [ -z "$BEST_BETA" ]; then
-    echo "BEST_BETA is not set: run the tune phase first"; return 2
-  fi
   flags=$(arm_flags "$name" "$BEST_BETA") || return 2
   read -ra flags <<< "$flags"
   arm "$name" "$world" "$ws" "${flags[@]}" "$seeds" "$@"
@@ -179,7 +179,7 @@ phase() {
         claim "$claims/$k" || continue  # taken by the other worker
         set -- $j
         local name=$1 seeds=$2 ws=${3:-0} extra=()
-        read -ra extra <<< "$(arm_flags "$name")"
+        read -ra extra <<< "$(arm_flags "$name" "$PILOT_BETA")"
         echo "worker $worker: $prefix$name seeds<$seeds warm start $ws"
         (  # a subshell holding the arm's lock; the pilot's own steps, runs and output folders
           flock 9
@@ -203,7 +203,7 @@ phase() {
             OUT=projects/lessons/results/worlds RUNS=runs/lessons_worlds
             COMMON[3]=--set=rl.steps=$PILOT_STEPS
             for a in "${SERIES_ARMS[@]}"; do
-              read -ra extra <<< "$(arm_flags "$a")"
+              read -ra extra <<< "$(arm_flags "$a" "$PILOT_BETA")"
               arm "$a" "$w" 0 --seeds="$s" "${extra[@]}" || exit 1
             done
           ) 9>"$claims/lock_w$w" && touch "$claims/$k/done"

@@ -10,8 +10,8 @@ per-step records, and writes to `--out`:
                  warm_start_sha1, world_seed, em_curve_mean, em_at_equal_tokens, lessons learned
                  at half and all of the budget, seconds per step, seconds to reach the reference's
                  final EM) and per arm, world seed and phase the means with a hierarchical
-                 bootstrap 95% interval of the difference to the reference arm (warm starts
-                 resampled, then seeds within each);
+                 bootstrap `--level` (95%) interval of the difference to the reference arm
+                 (warm starts resampled, then seeds within each; under 3 runs a side, none);
   summary.md     the same as tables;
   em_vs_tokens.png, lessons_learned.png, discovery.png, gain_by_world.png, wall_clock.png.
 
@@ -177,18 +177,19 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
   def mean_of(d):
     return float(np.mean([np.mean([np.mean(d[w][s]) for s in wss[w]]) for w in worlds]))
 
-  reps = np.empty(n)
   if resample == "worlds":
     per_world = np.array([np.mean([np.mean(arm[w][s]) - np.mean(ref[w][s]) for s in wss[w]])
                           for w in worlds])
     reps = per_world[rng.integers(len(worlds), size=(n, len(worlds)))].mean(axis=1)
-  for i in range(n if resample == "all" else 0):
-    da, db = [], []
-    for w in (worlds[j] for j in rng.integers(len(worlds), size=len(worlds))):
-      pick = [wss[w][j] for j in rng.integers(len(wss[w]), size=len(wss[w]))]
-      da.append(np.mean([np.mean(rng.choice(arm[w][s], size=len(arm[w][s]))) for s in pick]))
-      db.append(np.mean([np.mean(rng.choice(ref[w][s], size=len(ref[w][s]))) for s in pick]))
-    reps[i] = np.mean(da) - np.mean(db)
+  else:
+    reps = np.empty(n)
+    for i in range(n):
+      da, db = [], []
+      for w in (worlds[j] for j in rng.integers(len(worlds), size=len(worlds))):
+        pick = [wss[w][j] for j in rng.integers(len(wss[w]), size=len(wss[w]))]
+        da.append(np.mean([np.mean(rng.choice(arm[w][s], size=len(arm[w][s]))) for s in pick]))
+        db.append(np.mean([np.mean(rng.choice(ref[w][s], size=len(ref[w][s]))) for s in pick]))
+      reps[i] = np.mean(da) - np.mean(db)
   lo, hi = np.percentile(reps, _tails(level))
   return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
               n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
@@ -200,16 +201,16 @@ def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
   start in its world with an evaluation curve, so a series stopped part-way compares its arms on
   the same (world, seed) pairs. A run with no curve counts as unfinished. Read one series' folder
   (or `--cells`): an arm run on some worlds only empties the others."""
+  keys = [(_setting(r["arm"]), r.get("world_seed"),
+           r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("seed")) for r in runs]
   arms, have = {}, {}
-  key = lambda r: (_setting(r["arm"]), r.get("world_seed"),  # noqa: E731
-                   r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("seed"))
-  for r in runs:
-    arms.setdefault(key(r)[0], set()).add(r["arm"])
+  for r, k in zip(runs, keys):
+    arms.setdefault(k[0], set()).add(r["arm"])
     if r.get("curve", True):  # rows without a "curve" field are taken as finished
-      have.setdefault(key(r), set()).add(r["arm"])
+      have.setdefault(k, set()).add(r["arm"])
   kept, dropped = [], []
-  for r in runs:
-    (kept if have.get(key(r), set()) == arms[key(r)[0]] else dropped).append(r)
+  for r, k in zip(runs, keys):
+    (kept if have.get(k, set()) == arms[k[0]] else dropped).append(r)
   return kept, dropped
 
 
@@ -288,18 +289,20 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
 
 
 def world_gains(aggs: list[dict], reference: str = "grpo") -> list[dict]:
-  """Per setting, world seed and arm: its mean EM at equal tokens minus the reference's in that
-  world, beside the reference's sampled success (its mean reward on the rollouts it trained on),
-  a measure of how hard the world is for the policy: where the gain might depend on it."""
+  """Per setting, world seed and arm: its difference to the reference in that world (the
+  table's `vs_reference` diff), beside the reference's sampled success (its mean reward on the
+  rollouts it trained on), a measure of how hard the world is for the policy: where the gain
+  might depend on it."""
   ref = {(a["setting"], a["world_seed"]): a for a in aggs
          if a["arm"] == _ref_name(reference, a["setting"])}
   out = []
   for a in aggs:
     r = ref.get((a["setting"], a["world_seed"]))
-    if r is None or a is r or a["em_at_equal_tokens"] is None or r["em_at_equal_tokens"] is None:
+    vs = a.get("vs_reference")
+    if r is None or not vs or not np.isfinite(vs["diff"]):
       continue
     out.append(dict(setting=a["setting"], world_seed=a["world_seed"], arm=a["arm"],
-                    gain=a["em_at_equal_tokens"] - r["em_at_equal_tokens"],
+                    gain=vs["diff"],
                     reference_sampled_success=r["sampled_success"], runs=a["runs"],
                     reference_runs=r["runs"]))
   return out
@@ -499,6 +502,10 @@ def world_lessons(world_seed: int, overrides: list[str]) -> dict:
   return generate_lessons_world(lessons_world_config(mhqa.validate(c))).lessons
 
 
+def _run_names(runs: list[dict]) -> str:
+  return ", ".join(f"w{r.get('world_seed')}/{r['arm']}/seed{r.get('seed')}" for r in runs)
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--arms", default=os.path.join(_ROOT, "projects", "lessons", "results", "arms"))
@@ -525,8 +532,7 @@ def main(argv=None) -> None:
     runs, dropped = complete_seeds(runs)
     if dropped:
       print(f"left out {len(dropped)} runs whose seed not every arm of their setting finished: "
-            + ", ".join(f"w{r.get('world_seed')}/{r['arm']}/seed{r.get('seed')}"
-                        for r in dropped))
+            + _run_names(dropped))
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
   result = table(runs, a.reference, a.boot, a.level, a.resample)
@@ -539,9 +545,9 @@ def main(argv=None) -> None:
         argv if argv is not None else sys.argv[1:]), runs=rows, **result), f, indent=1)
   with open(os.path.join(a.out, "summary.md"), "w") as f:
     f.write(markdown(result))
-    if result["left_out"]:
-      f.write("\nLeft out (`--complete`: a seed not every arm finished in its world): " + ", ".join(
-          f"w{d['world_seed']}/{d['arm']}/seed{d['seed']}" for d in result["left_out"]) + "\n")
+    if dropped:
+      f.write("\nLeft out (`--complete`: a seed not every arm finished in its world): "
+              + _run_names(dropped) + "\n")
   lessons = {}
   for r in runs:
     key = (r.get("world_seed"), tuple(r["world_overrides"]))
