@@ -241,7 +241,9 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   params = jax.tree.map(jnp.copy, run.init_params)
   emb = params["embed_tokens"]
   emb = emb["embedding"] if isinstance(emb, dict) else emb  # a State or an array
-  if hasattr(emb, "value"):
+  if hasattr(emb, "set_value"):  # a Variable (newer flax: `.value` is deprecated)
+    emb.set_value(emb.get_value().at[fact].multiply(8.0))
+  elif hasattr(emb, "value"):
     emb.value = emb.value.at[fact].multiply(8.0)
   else:
     params["embed_tokens"] = emb.at[fact].multiply(8.0)
