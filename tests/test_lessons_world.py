@@ -212,6 +212,9 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   the model (a change to one fact verb's embedding changes that lesson's value)."""
   import jax
   import jax.numpy as jnp
+  from flax import nnx
+
+  from trace_jax.parallel.sharding import set_variable_value, variable_value
 
   sys.path.append(os.path.join(ROOT, "configs"))
   import mhqa
@@ -241,10 +244,8 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   params = jax.tree.map(jnp.copy, run.init_params)
   emb = params["embed_tokens"]
   emb = emb["embedding"] if isinstance(emb, dict) else emb  # a State or an array
-  if hasattr(emb, "set_value"):  # a Variable (newer flax: `.value` is deprecated)
-    emb.set_value(emb.get_value().at[fact].multiply(8.0))
-  elif hasattr(emb, "value"):
-    emb.value = emb.value.at[fact].multiply(8.0)
+  if isinstance(emb, nnx.Variable):
+    set_variable_value(emb, variable_value(emb).at[fact].multiply(8.0))
   else:
     params["embed_tokens"] = emb.at[fact].multiply(8.0)
   changed = probs(params)

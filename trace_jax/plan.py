@@ -42,7 +42,8 @@ from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, Qwen3Config
 from trace_jax.models.qwen3.config import resolve_dtype
-from trace_jax.parallel.sharding import DEFAULT_RULES, logical_to_spec, parse_mesh_spec
+from trace_jax.parallel.sharding import (DEFAULT_RULES, logical_to_spec, parse_mesh_spec,
+                                         variable_value)
 
 GB = 1e9
 F32 = 4
@@ -100,7 +101,7 @@ def _layout(abstract, sizes: dict, rules) -> ParamLayout:
   mesh = _MeshShape(sizes)
   n = per = fallbacks = 0
   for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-    sds = v.get_value() if hasattr(v, "get_value") else v.value
+    sds = variable_value(v)
     k = math.prod(sds.shape)
     axes = v.logical_axes
     spec = logical_to_spec(axes, rules, mesh, sds.shape)

@@ -120,6 +120,15 @@ def variable_value(v):
   return v.get_value() if hasattr(v, "get_value") else v.value
 
 
+def set_variable_value(v, value) -> None:
+  """Set an nnx Variable's raw value in place (older flax has only the `.value` setter, newer
+  flax deprecates it for `set_value`)."""
+  if hasattr(v, "set_value"):
+    v.set_value(value)
+  else:
+    v.value = value
+
+
 def _is_var(x):
   return isinstance(x, nnx.Variable)
 

@@ -52,7 +52,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax.models.qwen3.config import resolve_dtype
 from trace_jax.parallel.micro_batch import merge_micro_batches, split_micro_batches
-from trace_jax.parallel.sharding import DEFAULT_RULES, batch_sharding, logical_to_spec
+from trace_jax.parallel.sharding import (DEFAULT_RULES, batch_sharding, logical_to_spec,
+                                         variable_value)
 from trace_jax.rl.losses import (predictor_bce, ppo_clip_loss, token_logprobs,
                                  token_logprobs_and_entropy)
 
@@ -163,7 +164,7 @@ def state_shardings(state, mesh: Mesh, rules=DEFAULT_RULES):
   (Variables replaced)."""
   def one(x):
     if _is_var(x):
-      v = x.get_value() if hasattr(x, "get_value") else x.value
+      v = variable_value(x)
       spec = logical_to_spec(getattr(x, "logical_axes", None), rules, mesh, v.shape)
       return NamedSharding(mesh, spec)
     return NamedSharding(mesh, P())

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trace_jax.parallel.distributed import allgather_object, local_mesh, to_local
 from trace_jax.sampling.paged_kv import PoolLayout
+from trace_jax.parallel.sharding import variable_value
 from trace_jax.sampling.engine import SamplerEngine, sampling_shardings
 from trace_jax.sampling.config import ForkRequest, Ledger, PromptRequest
 
@@ -49,7 +50,8 @@ def sampling_copy(params_state, mesh, num_kv_heads: int):
     shardings = sampling_shardings(params_state, PoolLayout.for_mesh(lm, num_kv_heads))
   else:
     shardings = jax.tree.map(lambda v: NamedSharding(lm, P()), params_state, is_leaf=is_var)
-  values = jax.tree.map(lambda v: v.get_value() if is_var(v) else v, params_state, is_leaf=is_var)
+  values = jax.tree.map(lambda v: variable_value(v) if is_var(v) else v, params_state,
+                        is_leaf=is_var)
   targets = jax.tree.map(lambda v, sh: sh, params_state, shardings, is_leaf=is_var)
   local = to_local(values, mesh, targets)
   return jax.tree.map(lambda v, x: v.replace(x) if is_var(v) else x, params_state, local,

@@ -20,7 +20,8 @@ from flax import nnx
 from trace_jax.models.qwen3.config import Qwen3Config, resolve_dtype
 from trace_jax.models.qwen3.model import Qwen3
 from trace_jax.models.safetensors_io import SafetensorsFile, save_file
-from trace_jax.parallel.sharding import DEFAULT_RULES, state_shardings, variable_value
+from trace_jax.parallel.sharding import (DEFAULT_RULES, set_variable_value, state_shardings,
+                                         variable_value)
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -163,7 +164,7 @@ def from_pretrained(path: str, dtype=None, param_dtype=None, mesh=None, rules=DE
     else:
       values[p] = jnp.asarray(np.asarray(view).astype(np_dtype))
   for p, var in flat:
-    var.set_value(values[p])
+    set_variable_value(var, values[p])
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
