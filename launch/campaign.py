@@ -53,11 +53,22 @@ def read_summary(out_dir: str, missing_ok: bool = False) -> dict | None:
                        "version control) before rerunning, or its rows are lost") from None
 
 
+# Fields of a summary that say when and where it was written, not what it holds.
+WRITE_STAMP = ("date", "machine")
+
+
 def write_summary(out_dir: str, summary: dict) -> str:
   """Writes `<out_dir>/summary.json` atomically (a temporary file, then a rename), so a campaign
-  stopped while writing keeps its old summary whole. Returns the path."""
+  stopped while writing keeps its old summary whole. Returns the path. A summary that differs from
+  the one on disk only in its `WRITE_STAMP` fields (a rerun that only skipped finished runs) is not
+  rewritten: the file keeps the date and machine of the call that last changed its contents."""
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, SUMMARY)
+  old = read_summary(out_dir, missing_ok=True) if os.path.exists(path) else None
+  if old is not None:
+    unstamped = lambda d: {k: v for k, v in d.items() if k not in WRITE_STAMP}  # noqa: E731
+    if unstamped(old) == unstamped(json.loads(json.dumps(summary, default=str))):
+      return path
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=1, default=str)
