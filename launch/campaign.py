@@ -57,23 +57,24 @@ def read_summary(out_dir: str, missing_ok: bool = False) -> dict | None:
 WRITE_STAMP = ("date", "machine")
 
 
-def write_summary(out_dir: str, summary: dict) -> str:
+def write_summary(out_dir: str, summary: dict) -> bool:
   """Writes `<out_dir>/summary.json` atomically (a temporary file, then a rename), so a campaign
-  stopped while writing keeps its old summary whole. Returns the path. A summary that differs from
-  the one on disk only in its `WRITE_STAMP` fields (a rerun that only skipped finished runs) is not
-  rewritten: the file keeps the date and machine of the call that last changed its contents."""
+  stopped while writing keeps its old summary whole. A summary that differs from the one on disk
+  only in its `WRITE_STAMP` fields (a rerun that only skipped finished runs) is not rewritten: the
+  file keeps the date and machine of the call that last changed its contents. Returns whether the
+  file was written (callers rewrite what they derive from it, e.g. a markdown table, only then)."""
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, SUMMARY)
   old = read_summary(out_dir, missing_ok=True) if os.path.exists(path) else None
   if old is not None:
     unstamped = lambda d: {k: v for k, v in d.items() if k not in WRITE_STAMP}  # noqa: E731
     if unstamped(old) == unstamped(json.loads(json.dumps(summary, default=str))):
-      return path
+      return False
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=1, default=str)
   os.replace(tmp, path)
-  return path
+  return True
 
 
 def summary_rows(out_dir: str) -> list[dict]:

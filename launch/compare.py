@@ -657,17 +657,19 @@ def main(argv):
              low_contrast_hops=LOW_CONTRAST_HOPS[1] if LOW_CONTRAST_HOPS[0] in keys else None,
              runs=table, aggregates=aggs, missing_runs=missing, earlier_runs=earlier,
              warm_starts=warm_starts(table))
-  write_summary(_OUT.value, out)
+  changed = write_summary(_OUT.value, out)
   md = markdown(aggs)
   curves = em_by_step([r for r, old in table_rows if old is None], recs)
   if curves:
     md += "\n" + curves
-  with open(os.path.join(_OUT.value, "summary.md"), "w") as f:
-    f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
-            f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n"
-            + warm_start_line(out["warm_starts"]) + "\n" + md
-            + (f"\nPlanned but not run yet ({len(missing)}): "
-               + ", ".join(f"`{m}`" for m in missing) + "\n" if missing else ""))
+  md_path = os.path.join(_OUT.value, "summary.md")
+  if changed or not os.path.exists(md_path):  # a skip-only rerun leaves both files as they were
+    with open(md_path, "w") as f:
+        f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
+              f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n"
+              + warm_start_line(out["warm_starts"]) + "\n" + md
+              + (f"\nPlanned but not run yet ({len(missing)}): "
+                 + ", ".join(f"`{m}`" for m in missing) + "\n" if missing else ""))
   if _PLOTS.value:
     plots(table, recs, _OUT.value)
   print(md, flush=True)

@@ -63,18 +63,19 @@ def test_summary_rows_and_missing_summary(tmp_path):
     campaign.read_summary(str(tmp_path))
   assert campaign.read_summary(str(tmp_path), missing_ok=True) is None
   # written atomically: no temporary file is left, and the file reads back
-  assert campaign.write_summary(str(tmp_path / "new"), {"runs": [], "x": 3}) == \
-      str(tmp_path / "new" / "summary.json")
+  assert campaign.write_summary(str(tmp_path / "new"), {"runs": [], "x": 3}) is True
   assert os.listdir(tmp_path / "new") == ["summary.json"]
   assert campaign.read_summary(str(tmp_path / "new")) == {"runs": [], "x": 3}
   # A rewrite that changes only when and where it was written leaves the file as it was; a change
   # of contents is written (with its new date).
   new = tmp_path / "stamped"
-  campaign.write_summary(str(new), {"runs": [], "x": 3, "date": "d1", "machine": {"cpu": 2}})
-  campaign.write_summary(str(new), {"runs": [], "x": 3, "date": "d2", "machine": {"cpu": 8}})
+  assert campaign.write_summary(str(new), {"runs": [], "x": 3, "date": "d1", "machine": {"cpu": 2}})
+  assert not campaign.write_summary(str(new), {"runs": [], "x": 3, "date": "d2",
+                                               "machine": {"cpu": 8}})
   assert campaign.read_summary(str(new)) == {"runs": [], "x": 3, "date": "d1",
                                              "machine": {"cpu": 2}}
-  campaign.write_summary(str(new), {"runs": [1], "x": 3, "date": "d3", "machine": {"cpu": 8}})
+  assert campaign.write_summary(str(new), {"runs": [1], "x": 3, "date": "d3",
+                                           "machine": {"cpu": 8}})
   assert campaign.read_summary(str(new)) == {"runs": [1], "x": 3, "date": "d3",
                                              "machine": {"cpu": 8}}
   rows = [dict(method="grpo", seed=0, run=RUN, budget="rollouts")]

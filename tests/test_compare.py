@@ -107,12 +107,15 @@ def test_compare_smoke_and_resume(tmp_path):
   assert out["warm_starts"] == {sha: 2}
   md = open(tmp_path / "out" / "summary.md").read()
   assert f"`{sha}` (2 runs)" in md and "Warning" not in md
+  written = {n: os.stat(tmp_path / "out" / n).st_mtime_ns for n in ("summary.json", "summary.md")}
   t0 = time.time()
   again = subprocess.run(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=300)
   assert again.returncode == 0, again.stdout[-3000:]
   assert "2 already finished" in again.stdout and "[compare] default/" not in again.stdout
   assert time.time() - t0 < 120
+  # a rerun that only skipped leaves the summaries as they were (no date-only rewrite)
+  assert {n: os.stat(tmp_path / "out" / n).st_mtime_ns for n in written} == written
   # A campaign done in pieces: a plan with a second seed summarizes what exists, trains nothing.
   part = subprocess.run([*args, "--seeds=2", "--summarize_only", "--plots=false"], cwd=ROOT,
                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
