@@ -209,3 +209,26 @@ def test_a_world_with_under_three_runs_a_side_gets_no_interval(tmp_path):
   vs = next(a for a in s["arms"] if a["arm"] == "trace_paper")["vs_reference"]
   assert vs["diff"] > 0 and vs["lo"] is None and vs["hi"] is None
   assert "(under 3 runs a side)" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_progress_names_finished_runs_without_figures(tmp_path, capsys):
+  def run(arm, world, seed, curve=True):
+    return dict(arm=arm, world_seed=world, warm_start_seed=0, seed=seed,
+                curve=[{"eval_em": 0.123456}] if curve else [])
+  runs = [run(a, w, 0) for a in ("grpo", "trace_paper", "trace_binned") for w in (6, 7, 8, 10)]
+  runs += [run("grpo", 11, 0), run("trace_paper", 11, 0), run("trace_binned", 11, 0, curve=False),
+           run("grpo", 6, 1)]
+  text = lt.progress(runs)
+  assert text.splitlines() == [
+      "15 finished runs (1 unfinished) of 3 arms: grpo, trace_binned, trace_paper",
+      "seed 0, warm start 0: 4 worlds complete (6-8, 10); w11 has only grpo/trace_paper",
+      "seed 1, warm start 0: 0 worlds complete; w6 has only grpo"]
+  assert "0.12" not in text
+  # From the folders: prints the same lines, writes no table
+  arms = tmp_path / "arms"
+  _write_arm(arms, "w2-ws0", "grpo", "grpo", 2, 0, 0.1)
+  lt.main([f"--arms={arms}", f"--out={tmp_path / 'lessons'}", "--progress"])
+  assert capsys.readouterr().out.splitlines() == [
+      "2 finished runs (0 unfinished) of 1 arms: grpo",
+      "seed 0, warm start 0: 1 worlds complete (2)", "seed 1, warm start 0: 1 worlds complete (2)"]
+  assert not (tmp_path / "lessons").exists()

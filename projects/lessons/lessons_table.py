@@ -214,6 +214,40 @@ def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
   return kept, dropped
 
 
+def _spans(values: list[int]) -> str:
+  """[6, 7, 8, 10] -> "6-8, 10"."""
+  out, vs = [], sorted(values)
+  for i, v in enumerate(vs):
+    if i and v == vs[i - 1] + 1:
+      out[-1][1] = v
+    else:
+      out.append([v, v])
+  return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def progress(runs: list[dict]) -> str:
+  """Which runs of a series have finished: counts and names only, no figure of any run, so it
+  can be read while a pre-registered series runs (its tables may not be). A run counts when it
+  has an evaluation curve; a (world, seed) is complete when every arm the folders hold finished
+  it there (the `--complete` rule, one setting)."""
+  finished = [r for r in runs if r.get("curve", True)]
+  arms = sorted({r["arm"] for r in runs})
+  done = {}
+  for r in finished:
+    key = (r.get("seed"), r.get("warm_start_seed"), r.get("world_seed"))
+    done.setdefault(key, set()).add(r["arm"])
+  lines = [f"{len(finished)} finished runs ({len(runs) - len(finished)} unfinished) of "
+           f"{len(arms)} arms: {', '.join(arms) or '-'}"]
+  for seed, ws in sorted({k[:2] for k in done}, key=str):
+    worlds = {k[2]: a for k, a in done.items() if k[:2] == (seed, ws)}
+    full = [w for w, a in worlds.items() if a == set(arms)]
+    part = sorted((w, a) for w, a in worlds.items() if a != set(arms))
+    lines.append(f"seed {seed}, warm start {ws}: {len(full)} worlds complete"
+                 + (f" ({_spans(full)})" if full else "")
+                 + "".join(f"; w{w} has only {'/'.join(sorted(a))}" for w, a in part))
+  return "\n".join(lines)
+
+
 def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
   """Every run of every arm in the cells (`w{world}-ws{warm}` folders) matching `cells`: its
   compare.py row plus its evaluation curve and records."""
@@ -523,10 +557,15 @@ def main(argv=None) -> None:
                  "bootstrap's draws: worlds, warm starts and seeds (all), or worlds only")
   p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
                  "control, old; default: all)")
+  p.add_argument("--progress", action="store_true", help="print which runs have finished (counts "
+                 "and names, no figures; safe while a series runs) and write nothing")
   a = p.parse_args(argv)
   runs = load_runs(a.arms, a.cells)
   if a.settings:
     runs = [r for r in runs if _setting(r["arm"]) in a.settings.split(",")]
+  if a.progress:
+    print(progress(runs))
+    return
   dropped = []
   if a.complete:
     runs, dropped = complete_seeds(runs)
