@@ -181,8 +181,11 @@ def test_lowers_for_tpu(generation):
   tree = make_tree(0, num_slots=48, num_kv_heads=2, q_per_kv=8, head_dim=128, page_size=16,
                    num_groups=2, branches=40, prefix_pages=12, suffix_pages=5,
                    dtype=jnp.bfloat16)
-  device = jax.sharding.AbstractDevice(device_kind=TPU_KINDS[generation], num_cores=1,
-                                       platform="tpu")
+  try:
+    device = jax.sharding.AbstractDevice(device_kind=TPU_KINDS[generation], num_cores=1,
+                                         platform="tpu")
+  except TypeError:  # jax 0.8 takes no platform (lowering_platforms names it)
+    device = jax.sharding.AbstractDevice(device_kind=TPU_KINDS[generation], num_cores=1)
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
     lowered = jax.jit(tt.tree_attention_tpu).trace(*tree.args).lower(
@@ -220,4 +223,4 @@ def test_sharded_on_mesh_matches_single_device_without_gathers(impl):
   assert result["finite"]
   assert result["max_err"] < 1e-5
   assert result["all_gathers"] == 0
-  assert result["out_sharding"] == "P('data', 'tensor')"
+  assert result["out_sharding"] == ["data", "tensor"]
