@@ -232,3 +232,22 @@ def test_progress_names_finished_runs_without_figures(tmp_path, capsys):
       "2 finished runs (0 unfinished) of 1 arms: grpo",
       "seed 0, warm start 0: 1 worlds complete (2)", "seed 1, warm start 0: 1 worlds complete (2)"]
   assert not (tmp_path / "lessons").exists()
+
+
+def test_arms_from_two_warm_starts_of_one_seed_are_not_paired(capsys, tmp_path):
+  # World 20's grpo and trace_paper ran from one warm start, its trace_binned from the same seed's
+  # warm start rebuilt on another machine (other parameters): not a paired comparison.
+  def run(arm, world, sha):
+    return dict(arm=arm, world_seed=world, warm_start_seed=0, warm_start_sha1=sha, seed=0,
+                curve=[{"eval_em": 0.5}])
+  runs = [run(a, 19, "aaa") for a in ("grpo", "trace_paper", "trace_binned")]
+  runs += [run("grpo", 20, "bbb"), run("trace_paper", 20, "bbb"), run("trace_binned", 20, "ccc")]
+  kept, dropped = lt.complete_seeds(runs)
+  assert kept == runs[:3] and dropped == runs[3:]
+  assert lt.mixed_warm_starts(runs) == [
+      "w20, warm start 0, seed 0: grpo/trace_paper from bbb; trace_binned from ccc"]
+  assert lt.mixed_warm_starts(runs[:3]) == []
+  assert lt.progress(runs).splitlines()[1:] == [
+      "seed 0, warm start 0: 1 worlds complete (19)",
+      "arms from different warm starts (not paired, not complete): "
+      "w20, warm start 0, seed 0: grpo/trace_paper from bbb; trace_binned from ccc"]

@@ -199,10 +199,13 @@ def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
   """(kept, dropped): a run is kept when every arm of its setting (every arm the folders hold,
   less the `control_`/`old_`/`tune_` prefixes' own sets) has a run of the same seed and warm
   start in its world with an evaluation curve, so a series stopped part-way compares its arms on
-  the same (world, seed) pairs. A run with no curve counts as unfinished. Read one series' folder
-  (or `--cells`): an arm run on some worlds only empties the others."""
+  the same (world, seed) pairs. The same warm start means the same parameters (`warm_start_sha1`),
+  not only the same seed: a warm start rebuilt on another machine is not bitwise the first, and
+  arms on two of them are not a paired comparison. A run with no curve counts as unfinished. Read
+  one series' folder (or `--cells`): an arm run on some worlds only empties the others."""
   keys = [(_setting(r["arm"]), r.get("world_seed"),
-           r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("seed")) for r in runs]
+           r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("warm_start_sha1"),
+           r.get("seed")) for r in runs]
   arms, have = {}, {}
   for r, k in zip(runs, keys):
     arms.setdefault(k[0], set()).add(r["arm"])
@@ -225,6 +228,25 @@ def _spans(values: list[int]) -> str:
   return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
+def _unpaired(runs: list[dict]) -> dict:
+  """{(setting, world, warm start seed, RL seed): {warm_start_sha1: arms}} for the keys whose arms
+  ran from more than one warm start's parameters."""
+  shas = {}
+  for r in runs:
+    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed"), r.get("seed"))
+    shas.setdefault(key, {}).setdefault(r.get("warm_start_sha1"), set()).add(r["arm"])
+  return {k: by for k, by in shas.items() if len(by) > 1}
+
+
+def mixed_warm_starts(runs: list[dict]) -> list[str]:
+  """One line per (world, warm start seed, RL seed) whose arms ran from different warm-start
+  parameters (`warm_start_sha1`; a warm start rebuilt on another machine differs): such arms
+  are not paired, and `--complete` leaves them out."""
+  return [f"w{w}, warm start {ws}, seed {seed}: " + "; ".join(
+      f"{'/'.join(sorted(a))} from {sha}" for sha, a in sorted(by.items(), key=str))
+          for (_, w, ws, seed), by in sorted(_unpaired(runs).items(), key=str)]
+
+
 def progress(runs: list[dict]) -> str:
   """Which runs of a series have finished: counts and names only, no figure of any run, so it
   can be read while a pre-registered series runs (its tables may not be). A run counts when it
@@ -238,13 +260,16 @@ def progress(runs: list[dict]) -> str:
     done.setdefault(key, set()).add(r["arm"])
   lines = [f"{len(finished)} finished runs ({len(runs) - len(finished)} unfinished) of "
            f"{len(arms)} arms: {', '.join(arms) or '-'}"]
+  unpaired = {(seed, ws, w) for _, w, ws, seed in _unpaired(finished)}
   for seed, ws in sorted({k[:2] for k in done}, key=str):
     worlds = {k[2]: a for k, a in done.items() if k[:2] == (seed, ws)}
-    full = [w for w, a in worlds.items() if a == set(arms)]
+    full = [w for w, a in worlds.items() if a == set(arms) and (seed, ws, w) not in unpaired]
     part = sorted((w, a) for w, a in worlds.items() if a != set(arms))
     lines.append(f"seed {seed}, warm start {ws}: {len(full)} worlds complete"
                  + (f" ({_spans(full)})" if full else "")
                  + "".join(f"; w{w} has only {'/'.join(sorted(a))}" for w, a in part))
+  lines += [f"arms from different warm starts (not paired, not complete): {m}"
+            for m in mixed_warm_starts(finished)]
   return "\n".join(lines)
 
 
@@ -574,6 +599,9 @@ def main(argv=None) -> None:
             + _run_names(dropped))
   if not runs:
     raise SystemExit(f"no arm summaries under {a.arms}/*/*/summary.json")
+  mixed = mixed_warm_starts(runs)
+  for m in mixed:  # --complete has left these out; without it they would enter unpaired
+    print(f"warning: arms from different warm starts: {m}")
   result = table(runs, a.reference, a.boot, a.level, a.resample)
   result["left_out"] = [dict(arm=r["arm"], world_seed=r.get("world_seed"), seed=r.get("seed"),
                              warm_start_seed=r.get("warm_start_seed")) for r in dropped]
@@ -585,8 +613,10 @@ def main(argv=None) -> None:
   with open(os.path.join(a.out, "summary.md"), "w") as f:
     f.write(markdown(result))
     if dropped:
-      f.write("\nLeft out (`--complete`: a seed not every arm finished in its world): "
-              + _run_names(dropped) + "\n")
+      f.write("\nLeft out (`--complete`: a seed not every arm finished in its world from one "
+              "warm start): " + _run_names(dropped) + "\n")
+    if mixed:
+      f.write("\nWarning, arms from different warm starts (unpaired): " + " | ".join(mixed) + "\n")
   lessons = {}
   for r in runs:
     key = (r.get("world_seed"), tuple(r["world_overrides"]))
