@@ -87,6 +87,26 @@ def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp
   assert len(list((tmp_path / "runs" / "lessons_worlds" / "claims").glob("*/done"))) == 48
 
 
+def test_each_worlds_job_reports_arms_from_two_warm_starts(tmp_path):
+  # After a job's arms, its world's progress is read and an unpaired world (arms from two warm
+  # starts) is said in the log; a stand-in lessons_table says every world is unpaired.
+  (tmp_path / "projects" / "lessons").mkdir(parents=True)
+  shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
+              tmp_path / "projects" / "lessons" / "campaign.sh")
+  (tmp_path / "bin").mkdir()
+  (tmp_path / "bin" / "python").write_text(
+      '#!/bin/sh\ncase "$*" in *lessons_table.py*--progress*) echo "seed 0: 0 worlds complete"; '
+      'echo "arms from different warm starts (not paired, not complete): $5";; esac\n')
+  (tmp_path / "bin" / "python").chmod(0o755)
+  env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+  out = subprocess.run(["bash", "projects/lessons/campaign.sh", "worlds", "0"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, check=True).stdout
+  said = [line for line in out.splitlines() if "different warm starts" in line]
+  assert said[:2] == ["arms from different warm starts (not paired, not complete): w6-ws0",
+                      "arms from different warm starts (not paired, not complete): w7-ws0"]
+  assert len(said) == 48 and "worlds complete" not in out
+
+
 def test_the_deciding_phase_runs_six_arms_with_their_seeds_and_one_flag_table(tmp_path):
   jobs = _jobs(tmp_path, "decide", BEST_BETA="0.25")
   arms = ("grpo", "trace_paper", "trace_best", "dapo", "root_only", "trace_hard")
