@@ -87,24 +87,35 @@ def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp
   assert len(list((tmp_path / "runs" / "lessons_worlds" / "claims").glob("*/done"))) == 48
 
 
-def test_each_worlds_job_reports_arms_from_two_warm_starts(tmp_path):
-  # After a job's arms, its world's progress is read and an unpaired world (arms from two warm
-  # starts) is said in the log; a stand-in lessons_table says every world is unpaired.
+def test_a_worlds_job_reruns_its_arms_once_when_some_came_from_a_lost_warm_start(tmp_path):
+  # After a job's arms, supersede.py moves out its seed's runs from a lost warm start; when it
+  # moved some (exit 3) the arms run again (compare.py reruns only those), then it must find none.
   (tmp_path / "projects" / "lessons").mkdir(parents=True)
   shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
               tmp_path / "projects" / "lessons" / "campaign.sh")
   (tmp_path / "bin").mkdir()
-  (tmp_path / "bin" / "python").write_text(
-      '#!/bin/sh\ncase "$*" in *lessons_table.py*--progress*) echo "seed 0: 0 worlds complete"; '
-      'echo "arms from different warm starts (not paired, not complete): $5";; esac\n')
+  (tmp_path / "bin" / "python").write_text(  # world 7's first check moves runs, the rest none
+      '#!/bin/sh\necho "python $*"\ncase "$*" in *supersede.py*w7-ws0*--seed\\ 0*)\n'
+      '  [ -e moved7 ] && exit 0; touch moved7; exit 3;; esac\n')
   (tmp_path / "bin" / "python").chmod(0o755)
   env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
   out = subprocess.run(["bash", "projects/lessons/campaign.sh", "worlds", "0"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, check=True).stdout
-  said = [line for line in out.splitlines() if "different warm starts" in line]
-  assert said[:2] == ["arms from different warm starts (not paired, not complete): w6-ws0",
-                      "arms from different warm starts (not paired, not complete): w7-ws0"]
-  assert len(said) == 48 and "worlds complete" not in out
+                       env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+  jobs = [(int(re.search(r"--set=world\.seed=(\d+)", j)[1]), re.search(r"--arm=(\S+)", j)[1],
+           int(re.search(r"--seeds=(\d+)", j)[1]))
+          for j in out if j.startswith("python launch/compare.py")]
+  arms = ("grpo", "trace_paper", "trace_binned")
+  assert jobs == ([(6, a, 1) for a in arms] + [(7, a, 1) for a in arms] * 2
+                  + [(w, a, 1) for w in range(8, 30) for a in arms]
+                  + [(w, a, 2) for w in range(6, 30) for a in arms])
+  checks = [j for j in out if j.startswith("python projects/lessons/supersede.py")]
+  assert len(checks) == 49
+  assert checks[0] == ("python projects/lessons/supersede.py --cell "
+                       "projects/lessons/results/worlds/w6-ws0 --runs runs/lessons_worlds/w6-ws0 "
+                       "--seed 0 --dest projects/lessons/results/worlds_superseded")
+  assert checks[-1].endswith("--cell projects/lessons/results/worlds/w29-ws0 --runs "
+                             "runs/lessons_worlds/w29-ws0 --seed 1 --dest "
+                             "projects/lessons/results/worlds_superseded")
 
 
 def test_the_deciding_phase_runs_six_arms_with_their_seeds_and_one_flag_table(tmp_path):
