@@ -665,7 +665,7 @@ def main(argv):
   md_path = os.path.join(_OUT.value, "summary.md")
   if changed or not os.path.exists(md_path):  # a skip-only rerun leaves both files as they were
     with open(md_path, "w") as f:
-        f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
+      f.write(f"Command: `{out['command']}`; machine: {platform.platform()}, "
               f"{os.cpu_count()} CPUs. Mean ± sample std over seeds.\n\n"
               + warm_start_line(out["warm_starts"]) + "\n" + md
               + (f"\nPlanned but not run yet ({len(missing)}): "

@@ -10,19 +10,25 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def _jobs(tmp_path, *args, **env_vars):
-  """The compare.py command lines `campaign.sh ARGS` would run, in order."""
+def _run(tmp_path, *args, python='#!/bin/sh\necho "python $*"\n', **env_vars):
+  """The lines `campaign.sh ARGS` prints with a stand-in `python` (by default one that prints
+  its command line)."""
   (tmp_path / "projects" / "lessons").mkdir(parents=True, exist_ok=True)
   shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
               tmp_path / "projects" / "lessons" / "campaign.sh")
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(exist_ok=True)
-  (bin_dir / "python").write_text('#!/bin/sh\necho "python $*"\n')
+  (bin_dir / "python").write_text(python)
   (bin_dir / "python").chmod(0o755)
   env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", **env_vars)
-  out = subprocess.run(["bash", "projects/lessons/campaign.sh", *args], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, check=True).stdout
-  return [line for line in out.splitlines() if line.startswith("python launch/compare.py")]
+  return subprocess.run(["bash", "projects/lessons/campaign.sh", *args], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def _jobs(tmp_path, *args, **env_vars):
+  """The compare.py command lines `campaign.sh ARGS` would run, in order."""
+  return [line for line in _run(tmp_path, *args, **env_vars)
+          if line.startswith("python launch/compare.py")]
 
 
 @pytest.mark.parametrize("phase,world", [("replicate", 3), ("replicate4", 4), ("replicate5", 5)])
@@ -90,17 +96,9 @@ def test_the_worlds_series_runs_each_world_whole_every_world_at_seed_0_first(tmp
 def test_a_worlds_job_reruns_its_arms_once_when_some_came_from_a_lost_warm_start(tmp_path):
   # After a job's arms, supersede.py moves out its seed's runs from a lost warm start; when it
   # moved some (exit 3) the arms run again (compare.py reruns only those), then it must find none.
-  (tmp_path / "projects" / "lessons").mkdir(parents=True)
-  shutil.copy(os.path.join(ROOT, "projects", "lessons", "campaign.sh"),
-              tmp_path / "projects" / "lessons" / "campaign.sh")
-  (tmp_path / "bin").mkdir()
-  (tmp_path / "bin" / "python").write_text(  # world 7's first check moves runs, the rest none
+  out = _run(tmp_path, "worlds", "0", python=(  # world 7's first check moves runs, the rest none
       '#!/bin/sh\necho "python $*"\ncase "$*" in *supersede.py*w7-ws0*--seed\\ 0*)\n'
-      '  [ -e moved7 ] && exit 0; touch moved7; exit 3;; esac\n')
-  (tmp_path / "bin" / "python").chmod(0o755)
-  env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-  out = subprocess.run(["bash", "projects/lessons/campaign.sh", "worlds", "0"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+      '  [ -e moved7 ] && exit 0; touch moved7; exit 3;; esac\n'))
   jobs = [(int(re.search(r"--set=world\.seed=(\d+)", j)[1]), re.search(r"--arm=(\S+)", j)[1],
            int(re.search(r"--seeds=(\d+)", j)[1]))
           for j in out if j.startswith("python launch/compare.py")]

@@ -200,9 +200,10 @@ def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
   less the `control_`/`old_`/`tune_` prefixes' own sets) has a run of the same seed and warm
   start in its world with an evaluation curve, so a series stopped part-way compares its arms on
   the same (world, seed) pairs. The same warm start means the same parameters (`warm_start_sha1`),
-  not only the same seed: a warm start rebuilt on another machine is not bitwise the first, and
-  arms on two of them are not a paired comparison. A run with no curve counts as unfinished. Read
-  one series' folder (or `--cells`): an arm run on some worlds only empties the others."""
+  not only the same seed: a warm start rebuilt on another machine had other parameters (worlds
+  20-21 of the series), and arms on two of them are not a paired comparison. A run with no
+  curve counts as unfinished. Read one series' folder (or `--cells`): an arm run on some worlds
+  only empties the others."""
   keys = [(_setting(r["arm"]), r.get("world_seed"),
            r.get("warm_start_seed", r.get("warm_start_sha1")), r.get("warm_start_sha1"),
            r.get("seed")) for r in runs]
@@ -228,23 +229,17 @@ def _spans(values: list[int]) -> str:
   return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _unpaired(runs: list[dict]) -> dict:
-  """{(setting, world, warm start seed, RL seed): {warm_start_sha1: arms}} for the keys whose arms
-  ran from more than one warm start's parameters."""
-  shas = {}
-  for r in runs:
-    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed"), r.get("seed"))
-    shas.setdefault(key, {}).setdefault(r.get("warm_start_sha1"), set()).add(r["arm"])
-  return {k: by for k, by in shas.items() if len(by) > 1}
-
-
 def mixed_warm_starts(runs: list[dict]) -> list[str]:
   """One line per (world, warm start seed, RL seed) whose arms ran from different warm-start
   parameters (`warm_start_sha1`; a warm start rebuilt on another machine differs): such arms
   are not paired, and `--complete` leaves them out."""
+  shas = {}
+  for r in runs:
+    key = (_setting(r["arm"]), r.get("world_seed"), r.get("warm_start_seed"), r.get("seed"))
+    shas.setdefault(key, {}).setdefault(r.get("warm_start_sha1"), set()).add(r["arm"])
   return [f"w{w}, warm start {ws}, seed {seed}: " + "; ".join(
       f"{'/'.join(sorted(a))} from {sha}" for sha, a in sorted(by.items(), key=str))
-          for (_, w, ws, seed), by in sorted(_unpaired(runs).items(), key=str)]
+          for (_, w, ws, seed), by in sorted(shas.items(), key=str) if len(by) > 1]
 
 
 def progress(runs: list[dict]) -> str:
@@ -254,16 +249,16 @@ def progress(runs: list[dict]) -> str:
   it there (the `--complete` rule, one setting)."""
   finished = [r for r in runs if r.get("curve", True)]
   arms = sorted({r["arm"] for r in runs})
+  key = lambda r: (r.get("seed"), r.get("warm_start_seed"), r.get("world_seed"))  # noqa: E731
   done = {}
   for r in finished:
-    key = (r.get("seed"), r.get("warm_start_seed"), r.get("world_seed"))
-    done.setdefault(key, set()).add(r["arm"])
+    done.setdefault(key(r), set()).add(r["arm"])
+  complete = {key(r) for r in complete_seeds(finished)[0]}
   lines = [f"{len(finished)} finished runs ({len(runs) - len(finished)} unfinished) of "
            f"{len(arms)} arms: {', '.join(arms) or '-'}"]
-  unpaired = {(seed, ws, w) for _, w, ws, seed in _unpaired(finished)}
   for seed, ws in sorted({k[:2] for k in done}, key=str):
     worlds = {k[2]: a for k, a in done.items() if k[:2] == (seed, ws)}
-    full = [w for w, a in worlds.items() if a == set(arms) and (seed, ws, w) not in unpaired]
+    full = [w for w in worlds if (seed, ws, w) in complete]
     part = sorted((w, a) for w, a in worlds.items() if a != set(arms))
     lines.append(f"seed {seed}, warm start {ws}: {len(full)} worlds complete"
                  + (f" ({_spans(full)})" if full else "")

@@ -1,8 +1,8 @@
 """Moves a series' runs that finished from a lost warm start out of it, so they are rerun.
 
-A warm start is bitwise reproducible on one machine only: after a move to another machine the
-cached warm start is rebuilt with other parameters, and a world whose arms finished partly before
-the move and partly after holds arms from two warm starts, which are not a paired comparison
+After a move to another machine the cached warm start is lost and rebuilt, and on worlds 20-21
+the rebuilt one had other parameters (`params_sha1`); then a world whose arms finished partly
+before the move and partly after holds arms from two warm starts, which are not a paired comparison
 (`README.md`, the many-worlds series' "Failures" rule). For one cell (`w{world}-ws{warm}`) and one
 RL seed this keeps the runs from the warm start of the newest finished run (the one cached on this
 machine: every run here after the move used it) and moves the others' archived copies, workdirs
@@ -17,7 +17,6 @@ Exit status 0: nothing to move; 3: runs moved (rerun the arms); other: an error.
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import sys
@@ -25,7 +24,7 @@ import sys
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, os.path.join(_ROOT, "launch"))
 
-from campaign import archive_dir, read_summary  # noqa: E402
+from campaign import archive_dir, read_summary, write_summary  # noqa: E402
 
 MOVED = 3
 
@@ -70,12 +69,8 @@ def supersede(arm_dir: str, row: dict, runs_dir: str, dest: str) -> str:
   summary["runs"] = [r for r in summary["runs"] if r["run"] != run]
   old = read_summary(to, missing_ok=True) or dict(runs=[], superseded_from=arm_dir)
   old["runs"] += moved
-  for path, s in ((os.path.join(to, "summary.json"), old),
-                  (os.path.join(arm_dir, "summary.json"), summary)):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-      json.dump(s, f, indent=1)
-    os.replace(path + ".tmp", path)
+  write_summary(to, old)
+  write_summary(arm_dir, summary)
   return to
 
 
