@@ -93,6 +93,9 @@ _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run
 _OUT = flags.DEFINE_string("out", "projects/mhqa/results/compare", "output directory")
 _DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
 _PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
+_PRINT = flags.DEFINE_bool("print_summary", True, "print the summary tables at the end (a series "
+                           "whose table is read once, after its last run, turns this off so its "
+                           "logs hold no figures)")
 _ARM = flags.DEFINE_string("arm", "", "a label for this invocation's runs (each run row's `arm`; "
                            "default: the method)")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
@@ -672,7 +675,8 @@ def main(argv):
                  + ", ".join(f"`{m}`" for m in missing) + "\n" if missing else ""))
   if _PLOTS.value:
     plots(table, recs, _OUT.value)
-  print(md, flush=True)
+  if _PRINT.value:
+    print(md, flush=True)
 
 
 if __name__ == "__main__":

@@ -117,11 +117,13 @@ def test_compare_smoke_and_resume(tmp_path):
   # a rerun that only skipped leaves the summaries as they were (no date-only rewrite)
   assert {n: os.stat(tmp_path / "out" / n).st_mtime_ns for n in written} == written
   # A campaign done in pieces: a plan with a second seed summarizes what exists, trains nothing.
-  part = subprocess.run([*args, "--seeds=2", "--summarize_only", "--plots=false"], cwd=ROOT,
+  part = subprocess.run([*args, "--seeds=2", "--summarize_only", "--plots=false",
+                         "--noprint_summary"], cwd=ROOT,
                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         timeout=300)
   assert part.returncode == 0, part.stdout[-3000:]
   assert "[compare] default/" not in part.stdout
+  assert "| method |" in again.stdout and "| method |" not in part.stdout  # tables: file only
   summary = json.load(open(tmp_path / "out" / "summary.json"))
   assert {r["seed"] for r in summary["runs"]} == {0}
   assert sorted(summary["missing_runs"]) == ["default/rollouts/grpo-seed1",

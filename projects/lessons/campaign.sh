@@ -190,7 +190,8 @@ phase() {
     worlds)  # the many-worlds series (README): SERIES_WORLDS, warm start 0, PILOT_STEPS steps,
       # SERIES_ARMS. A job is one world at one RL seed, its arms run one after the other by one
       # worker (which builds that world's warm start; no worker waits on another's), every world
-      # at seed 0 before any world at seed 1. Outputs under results/worlds/w{W}-ws0/{arm}/.
+      # at seed 0 before any world at seed 1. Outputs under results/worlds/w{W}-ws0/{arm}/;
+      # the logs hold no tables (the series' table is made once, after its last run).
       local worker=${only[0]:-0} k=0 s w a claims=runs/lessons_worlds/claims
       mkdir -p "$claims"
       for s in $(seq 1 "$SERIES_SEEDS"); do
@@ -205,7 +206,7 @@ phase() {
             for pass in 1 2; do
               for a in "${SERIES_ARMS[@]}"; do
                 read -ra extra <<< "$(arm_flags "$a" "$PILOT_BETA")"
-                arm "$a" "$w" 0 --seeds="$s" "${extra[@]}" || exit 1
+                arm "$a" "$w" 0 --seeds="$s" --noprint_summary "${extra[@]}" || exit 1
               done
               # Arms of this seed from two warm starts (one lost in a move to another machine)
               # are not paired: those not from the cached one leave the series and are rerun
