@@ -190,6 +190,8 @@ def test_smoke_run_resumes(run):
   assert s["steps"] == 3 and s["rollouts"] == 3 * (ROOT_BUDGET + PREFIX_BUDGET)
   assert s["generated_tokens"] > run["summary2"]["generated_tokens"]
   assert s["warm_start"].get("cached") is True  # the warm start is not trained again
+  # the wall clock of the whole run, both processes (the second alone took less than this)
+  assert run["seconds"][1] < s["wall_seconds"] <= sum(run["seconds"])
   recs = [json.loads(line) for line in open(os.path.join(run["workdir"], "metrics.jsonl"))]
   rl_steps = [r["step"] for r in recs if "effective_ratio" in r]
   assert rl_steps == [1, 2, 3]  # one more step, none repeated

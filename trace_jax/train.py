@@ -199,6 +199,7 @@ class LoopState:
   predictions: list = dataclasses.field(default_factory=list)  # (stage, p̂, outcome)
   er_hist: list = dataclasses.field(default_factory=list)
   probe: dict | None = None          # the warm-start probe (first run only)
+  wall_before: float = 0.0           # wall seconds of the earlier processes, to their checkpoint
 
   @property
   def skip_streak(self) -> int:
@@ -343,6 +344,7 @@ def save(run: Run, state: LoopState) -> None:
   run.ckpt.save(state.step, state.train, dict(
       step=state.step, totals=state.totals, evals=state.evals, predictions=state.predictions,
       er_hist=state.er_hist, warm_start_probe=state.probe,
+      wall_seconds=state.wall_before + time.time() - run.t_start,
       host=encode_host(host_state(run))), force=True)
 
 
@@ -387,7 +389,8 @@ def restore(run: Run) -> LoopState | None:
                     totals=dict(meta.get("totals", target.totals)),
                     evals=dict(meta.get("evals", {})),
                     predictions=[list(p) for p in meta.get("predictions", [])],
-                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"))
+                    er_hist=list(meta.get("er_hist", [])), probe=meta.get("warm_start_probe"),
+                    wall_before=float(meta.get("wall_seconds", 0.0)))
   if "host" in meta:
     load_host_state(run, decode_host(meta["host"]))
   dropped = run.writer.truncate(state.step)
@@ -730,7 +733,10 @@ def finish(run: Run, state: LoopState) -> dict:
                  prefill_tokens=int(state.totals["prefill_tokens"]),
                  tool_calls=int(state.totals["tool_calls"]),
                  skipped_steps=int(fetch(state.train["skipped"])),
-                 wall_seconds=time.time() - run.t_start, workdir=run.workdir,
+                 # the run's, over every process it took (the work after the last checkpoint
+                 # of a stopped process is redone, so it is not counted)
+                 wall_seconds=state.wall_before + time.time() - run.t_start,
+                 workdir=run.workdir,
                  evals=evals, predictor=pred_rep, warm_start=run.warm_start,
                  warm_start_probe=state.probe, plots=plots,
                  slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1),
