@@ -251,3 +251,74 @@ def test_arms_from_two_warm_starts_of_one_seed_are_not_paired(capsys, tmp_path):
       "seed 0, warm start 0: 1 worlds complete (19)",
       "arms from different warm starts (not paired, not complete): "
       "w20, warm start 0, seed 0: grpo/trace_paper from bbb; trace_binned from ccc"]
+
+
+def test_series_contrast_is_the_mean_over_worlds_of_paired_seed_differences():
+  # The many-worlds series' primary contrast, from run rows: per world the mean over its seeds of
+  # the paired difference, then the mean over worlds, with a bootstrap over worlds only.
+  em = {(6, "grpo"): (.40, .50), (6, "trace_paper"): (.43, .55), (7, "grpo"): (.30, .36),
+        (7, "trace_paper"): (.31, .39), (8, "grpo"): (.60, .10), (8, "trace_paper"): (.57, None)}
+  runs = [dict(arm=arm, world_seed=w, seed=s, warm_start_seed=0, records=[],
+               warm_start_sha1="b" if (w, s) == (7, 1) else "a",  # w7 seed 1: rebuilt warm start
+               curve=[dict(step=10 * i, eval_em=v, generated_tokens_total=t) for i, t in
+                      enumerate((0, 1000, 2000) if arm == "grpo" else (0, 700, 1500, 2600))])
+          for (w, arm), vs in em.items() for s, v in enumerate(vs) if v is not None]
+  kept, dropped = lt.complete_seeds(runs)
+  assert [(r["world_seed"], r["arm"], r["seed"]) for r in dropped] == [(8, "grpo", 1)]
+  (q,) = lt.table(kept, "grpo", boot=2000, level=0.975, resample="worlds")["pooled"]
+  per_world = np.array([.04, .02, -.03])  # paired by seed; w8 keeps one seed
+  assert q["diff"] == pytest.approx(.01)  # not .018 (cells) nor unpaired w8 (.57-.35)
+  assert (q["n_worlds"], q["n_cells"]) == (3, 3)
+  reps = per_world[np.random.default_rng(0).integers(3, size=(2000, 3))].mean(axis=1)
+  lo, hi = np.quantile(reps, [0.0125, 0.9875])
+  assert (q["lo"], q["hi"]) == (pytest.approx(lo), pytest.approx(hi))
+  assert q["verdict"] == lt.verdict(lo, hi) == "undetermined"  # lo < 0 < .01 < hi
+  (q2,) = lt.table(kept[::-1], "grpo", boot=2000, level=0.975, resample="worlds")["pooled"]
+  assert (q2["diff"], q2["lo"], q2["hi"]) == (pytest.approx(.01), pytest.approx(lo),
+                                              pytest.approx(hi))
+
+
+def test_verdict_is_the_series_rule_on_unrounded_ends():
+  assert lt.verdict(0.002, 0.030) == "gains"
+  assert lt.verdict(0.001, 0.0096) == "gains, by less than a point"
+  assert lt.verdict(-0.004, 0.0096) == "no gain of a point or more"
+  assert lt.verdict(-0.004, 0.0104) == "undetermined"  # both print as +0.010 at 3 decimals
+  assert lt.verdict(-0.0004, 0.02) == "undetermined" and lt.verdict(0.0004, 0.02) == "gains"
+  assert lt.verdict(-0.03, -0.01) == "no gain of a point or more"  # the reference ahead
+  assert lt.verdict(float("nan"), float("nan")) == "no interval"
+
+
+def test_complete_run_of_the_series_writes_the_reading_and_refuses_broken_runs(tmp_path):
+  arms = tmp_path / "arms"
+  for w in (6, 7, 8):
+    _write_arm(arms, f"w{w}-ws0", "grpo", "grpo", w, 0, 0.1)
+    _write_arm(arms, f"w{w}-ws0", "trace_paper", "trace_tree", w, 0, 0.15)
+  out = tmp_path / "lessons"
+  args = [f"--arms={arms}", f"--out={out}", "--boot=500", "--level=0.975", "--complete",
+          "--resample=worlds"]
+  lt.main(args)
+  s = json.loads((out / "summary.json").read_text())
+  (q,) = s["pooled"]
+  assert (q["arm"], q["reference"], q["n_worlds"], q["n_cells"]) == ("trace_paper", "grpo", 3, 3)
+  assert q["lo"] > 0 and q["verdict"] == "gains"
+  md = (out / "summary.md").read_text()
+  assert f"{q['diff']:+.4f} [{q['lo']:+.4f}, {q['hi']:+.4f}] | gains |" in md
+  # An evaluation gone NaN in one run: --complete refuses rather than leave that seed unpaired.
+  run_dir = arms / "w7-ws0" / "trace_paper" / "runs" / "default" / "tokens" / "trace_tree-seed1"
+  recs = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt")]
+  for r in recs:
+    if "eval_em" in r and r["step"] > 0:
+      r["eval_em"] = float("nan")
+  with gzip.open(run_dir / "metrics.jsonl.gz", "wt") as f:
+    f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+  with pytest.raises(SystemExit, match="w7/trace_paper/seed1"):
+    lt.main(args)
+
+
+def test_complete_refuses_runs_of_different_lengths():
+  runs = [dict(arm=a, world_seed=6, seed=0, steps=100, em_at_equal_tokens=0.3)
+          for a in ("grpo", "trace_paper")]
+  lt.check_complete(runs)
+  runs[1]["steps"] = 60
+  with pytest.raises(SystemExit, match="60 steps: w6/trace_paper/seed0"):
+    lt.check_complete(runs)

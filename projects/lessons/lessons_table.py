@@ -11,8 +11,10 @@ per-step records, and writes to `--out`:
                  at half and all of the budget, seconds per step, seconds to reach the reference's
                  final EM) and per arm, world seed and phase the means with a hierarchical
                  bootstrap `--level` (95%) interval of the difference to the reference arm
-                 (warm starts resampled, then seeds within each; under 3 runs a side, none);
-  summary.md     the same as tables;
+                 (warm starts resampled, then seeds within each; under 3 runs a side, none),
+                 and `pooled`: each arm against the reference over world seeds, with the
+                 many-worlds series' reading of its interval (`verdict`);
+  summary.md     the same as tables (pooled differences to 4 decimals);
   em_vs_tokens.png, lessons_learned.png, discovery.png, gain_by_world.png, wall_clock.png.
 
 Definitions. Mean EM at equal tokens: the area under held-out EM against cumulative generated
@@ -193,6 +195,40 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
   lo, hi = np.percentile(reps, _tails(level))
   return dict(diff=mean_of(arm) - mean_of(ref), lo=float(lo), hi=float(hi),
               n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
+
+
+# The many-worlds series' rule (README, fixed before its first run): "a point" of mean EM.
+POINT = 0.010
+
+
+def verdict(lo: float, hi: float, point: float = POINT) -> str:
+  """The series' pre-registered reading of a contrast's interval [lo, hi] (arm - reference):
+  *gains* if its lower end is above 0, *no gain of a point or more* if its upper end is below
+  `point` (GRPO ahead included), both at once *gains, by less than a point*, else *undetermined*.
+  Applied to the unrounded ends (the tables print them to 4 decimals)."""
+  if not (np.isfinite(lo) and np.isfinite(hi)):
+    return "no interval"
+  return {(True, True): "gains, by less than a point", (True, False): "gains",
+          (False, True): "no gain of a point or more", (False, False): "undetermined"}[
+              (bool(lo > 0), bool(hi < point))]
+
+
+def check_complete(runs: list[dict]) -> None:
+  """What `--complete` compares must be comparable: every kept run has a finite mean EM at equal
+  tokens (else its arm would lose the seed the others keep, unpaired) and the runs of a setting
+  share one run length. Raises SystemExit naming the runs that are not."""
+  bad = [r for r in runs if not np.isfinite(float(r.get("em_at_equal_tokens", float("nan"))))]
+  if bad:
+    raise SystemExit("--complete: no finite mean EM at equal tokens (a broken evaluation "
+                     "curve): " + _run_names(bad))
+  for setting in sorted({_setting(r["arm"]) for r in runs}):
+    steps = {}
+    for r in runs:
+      if _setting(r["arm"]) == setting and r.get("steps") is not None:
+        steps.setdefault(int(r["steps"]), []).append(r)
+    if len(steps) > 1:
+      raise SystemExit(f"--complete: runs of setting {setting} differ in length: " + "; ".join(
+          f"{n} steps: {_run_names(rs)}" for n, rs in sorted(steps.items())))
 
 
 def complete_seeds(runs: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -379,8 +415,9 @@ def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
     for arm, d in sorted(nest.items()):
       if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
         continue
-      out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting),
-                      **pooled_bootstrap(d, ref, n=boot, level=level, resample=resample)))
+      q = pooled_bootstrap(d, ref, n=boot, level=level, resample=resample)
+      out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting), **q,
+                      verdict=verdict(q["lo"], q["hi"])))
   return out
 
 
@@ -431,10 +468,13 @@ def markdown(result: dict) -> str:
              "worlds, then warm starts, then seeds")
     lines += ["", "Pooled over world seeds (each world's mean EM at equal tokens; bootstrap over "
               f"{draws}):", "",
-              f"| setting | arm | vs | worlds | cells | difference ({ci}) |", "|" + "---|" * 6]
+              f"| setting | arm | vs | worlds | cells | difference ({ci}) | reading (the "
+              f"series' rule: lower end > 0 gains; upper end < {POINT:+.3f} no gain of a "
+              "point or more) |", "|" + "---|" * 7]
     for q in result["pooled"]:
       lines.append(f"| {q['setting']} | {q['arm']} | {q['reference']} | {q['n_worlds']} | "
-                   f"{q['n_cells']} | {q['diff']:+.3f} [{q['lo']:+.3f}, {q['hi']:+.3f}] |")
+                   f"{q['n_cells']} | {q['diff']:+.4f} [{q['lo']:+.4f}, {q['hi']:+.4f}] | "
+                   f"{q['verdict']} |")
   if result.get("world_gains"):
     lines += ["", "Gain by world (exploratory): each arm's mean EM at equal tokens minus the "
               "reference's, beside the reference's sampled success:", "",
@@ -598,6 +638,8 @@ def main(argv=None) -> None:
   for m in mixed:  # --complete has left these out; without it they would enter unpaired
     print(f"warning: arms from different warm starts: {m}")
   result = table(runs, a.reference, a.boot, a.level, a.resample)
+  if a.complete:
+    check_complete(runs)
   result["left_out"] = [dict(arm=r["arm"], world_seed=r.get("world_seed"), seed=r.get("seed"),
                              warm_start_seed=r.get("warm_start_seed")) for r in dropped]
   os.makedirs(a.out, exist_ok=True)
