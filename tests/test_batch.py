@@ -206,8 +206,7 @@ def _segments(b):
 def test_pack_preserves_every_sequence(forest, row_len, row_multiple):
   seqs, _, _ = build_sequences(forest, "tree_contrastive", MAX_DEPTH)
   longest = max(len(s["tokens"]) for s in seqs)
-  if longest > row_len:
-    pytest.skip("covered by test_pack_cuts_long_sequences")
+  assert longest <= row_len  # long sequences: test_pack_cuts_long_sequences
   b, info = pack_batch(seqs, row_len, preds_per_row=32, row_multiple=row_multiple)
   R = b["tokens"].shape[0]
   assert R % row_multiple == 0 and R >= info["rows"]

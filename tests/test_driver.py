@@ -56,20 +56,24 @@ def engine():
 _CACHE = {}
 
 
-@pytest.fixture
-def sampled(engine, request):
+def sample_case(engine, case):
   """(method, use_predictor[, stage2]) -> StepSample, sampled once per module."""
-  method, use_pred, *mode = request.param
+  method, use_pred, *mode = case
   stage2 = mode[0] if mode else "batch"
-  if request.param not in _CACHE:
+  if case not in _CACHE:
     driver = RolloutDriver(engine, DriverConfig(method=method, stage2=stage2, **CFG), predict,
                            prompt_features, seed=0)
     examples = [dict(prompt_ids=p, answers=["x"], id=str(i), method=method)
                 for i, p in enumerate(PROMPTS)]
     s = driver.sample(examples, use_predictor=use_pred)
     engine.release(s.all_trees)
-    _CACHE[request.param] = s
-  return _CACHE[request.param]
+    _CACHE[case] = s
+  return _CACHE[case]
+
+
+@pytest.fixture
+def sampled(engine, request):
+  return sample_case(engine, request.param)
 
 
 CASES = [(m, u) for m in strategies.names() for u in (True, False)
@@ -312,9 +316,10 @@ def test_value_curve_and_the_price_rule(engine, method):
     engine.release(trees)
 
 
-def test_outcomes_are_mixed_somewhere():
+def test_outcomes_are_mixed_somewhere(engine):
   """The stand-in environment must give both outcomes, or the checks above test little."""
-  rewards = {float(n.reward) for s in _CACHE.values() for t in s.all_trees for n in t.leaves()}
+  samples = [sample_case(engine, c) for c in CASES]  # those the checks above read (cached)
+  rewards = {float(n.reward) for s in samples for t in s.all_trees for n in t.leaves()}
   assert {0.0, 1.0} <= rewards
 
 
@@ -492,11 +497,12 @@ def test_prompt_scoring_is_counted_as_prefill(engine):
   assert engine.ledger.prefill_tokens - before == sum(map(len, PROMPTS))
 
 
-def test_root_continuations_happen_somewhere():
+def test_root_continuations_happen_somewhere(engine):
   """The engine runs above must include forks at the root of an unmixed tree (trace or
   trace_tree), or the root-anchor checks in test_equal_budget_and_fork_sites test little."""
-  assert any(s.info.get("continuations_at_roots", 0) > 0 for s in _CACHE.values()), \
-      {k: s.info.get("continuations_at_roots") for k, s in _CACHE.items()}
+  samples = {c: sample_case(engine, c) for c in CASES}  # those the checks read (cached)
+  assert any(s.info.get("continuations_at_roots", 0) > 0 for s in samples.values()), \
+      {k: s.info.get("continuations_at_roots") for k, s in samples.items()}
 
 
 # ---- stage 2 details on hand-built trees (no engine) ---------------------------------------------

@@ -93,7 +93,9 @@ def test_bf16_weights_load_and_stay_close(tmp_path):
     ref = m.float()(torch.tensor(x)).logits.numpy()
   got = np.asarray(ours(jnp.asarray(x)))
   assert got.dtype == np.float32
-  assert np.abs(got - ref).max() < 0.15  # bf16 storage and compute
+  # bf16 compute on the bf16-rounded weights against fp32 on the same weights: 0.004 measured
+  # (logits' std 0.18); dropping two of the three layers gives 0.5
+  assert np.abs(got - ref).max() < 0.03
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):

@@ -1,6 +1,5 @@
 """Warm-start packing and training, the memory plan, and the sampler-environment bridge."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -106,4 +105,6 @@ def test_env_adapter_carries_turn_count_and_format_flags_into_forks():
 def test_empty_batch_after_filtering_is_defined():
   seqs, flat, adv = build_sequences([], "tree_contrastive", max_depth=4)
   assert seqs == [] and adv.shape == (0,)
-  assert jax.tree.leaves(flat) is not None
+  from test_batch import hand_tree
+  _, full, _ = build_sequences([hand_tree()], "tree_contrastive", max_depth=4)
+  assert set(flat) == set(full) and all(np.shape(v) == (0,) for v in flat.values())

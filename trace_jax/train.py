@@ -694,7 +694,7 @@ def check_divergence(run: Run, state: LoopState, rec: dict) -> None:
            f"gradients or parameters and were skipped")
   norm = rec.get("param_norm")
   if norm is not None and not norm <= c.rl.max_param_growth * max(run.init_param_norm, 1e-6):
-    why = (f"the parameter norm reached {norm:.3g}, over rl.max_param_growth="
+    why = (f"the parameter norm reached {norm:.4g}, over rl.max_param_growth="
            f"{c.rl.max_param_growth:g} x its warm-start norm {run.init_param_norm:.3g}")
   em0, em = state.evals.get("0"), state.evals.get(str(state.step))
   if c.eval.stop_on_collapse and "eval_em" in rec and em0 and em0 > 0 and em == 0:

@@ -39,7 +39,8 @@ def test_every_shipped_synthetic_variant_and_method_validates():
     for method in strategies.names():
       c = mhqa.get_config(variant)
       c.method = method
-      mhqa.validate(c)
+      tc = mhqa.validate(c)
+      assert (tc.method, tc.variant) == (method, variant)
 
 
 # (override, a phrase the error must contain). Each was a late crash or a silent success before.
@@ -163,7 +164,10 @@ def _qwen(tmp_path, train="train.jsonl", test="test.jsonl", model_files=None):
 
 
 def test_real_variant_validates_with_complete_files(tmp_path):
-  mhqa.validate(_qwen(tmp_path))
+  c = _qwen(tmp_path)
+  tc = mhqa.validate(c)
+  assert (tc.model.path, tc.data.train_path, tc.data.test_path, tc.retriever.url) == (
+      c.model.path, c.data.train_path, c.data.test_path, c.retriever.url)
 
 
 def test_empty_train_or_test_file_is_named(tmp_path):

@@ -217,9 +217,13 @@ def test_check_divergence_reasons(tmp_path, rec, streak, evals, why):
 
 
 def test_check_divergence_passes_healthy_steps(tmp_path):
-  from trace_jax.train import LoopState, check_divergence
+  # just under each limit passes (norm 10 x max_param_growth 100 = 1000; 2 of 3 skips; EM at 0
+  # from 0 is no collapse); just over the norm's does not
+  from trace_jax.train import Diverged, LoopState, check_divergence
   state = LoopState(train={"skip_streak": np.int32(2)}, step=4, evals={"0": 0.0, "4": 0.0})
   check_divergence(_stub(tmp_path), state, {"param_norm": 999.0, "eval_em": 0.0})
+  with pytest.raises(Diverged, match="parameter norm reached 1001"):
+    check_divergence(_stub(tmp_path), state, {"param_norm": 1001.0, "eval_em": 0.0})
 
 
 def test_garbled_reply_is_retried():
