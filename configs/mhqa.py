@@ -2,6 +2,7 @@
 
 Variants:
   tiny (default)  the embedded synthetic multi-hop world, tiny Qwen3, runs on a laptop CPU
+  lessons         the many-lessons world (`trace_jax/envs/lessons_world.py`; projects/lessons)
   smoke           the same loop at toy size (a few steps), used by CI
   qwen3_8b        paper-style run with a local Qwen3-8B checkpoint and local data
   qwen3_14b       paper scale (Qwen3-14B); model, data and retriever paths are required
@@ -24,7 +25,7 @@ def _base():
   c.method = "trace_tree"   # a registered strategy: trace_tree (tree-aware), trace (paper),
   #                           grpo, ...
   c.seed = 0
-  c.workdir = ""            # default: runs/<variant>-<method>-<time>
+  c.workdir = ""            # default: runs/<variant>-<method>-seed<seed>-<time>
   c.mesh = "data:-1,fsdp:1,tensor:1"  # mesh axes; -1 takes the remaining devices
 
   c.model = ml_collections.ConfigDict()

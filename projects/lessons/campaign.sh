@@ -15,7 +15,8 @@
 #   bash projects/lessons/campaign.sh tune_binned0 WORKER  # the binned root objective, world 0
 #   bash projects/lessons/campaign.sh tune_binned1 WORKER  # ... world 1 (tune seeds, README)
 #   bash projects/lessons/campaign.sh worlds WORKER   # the many-worlds series (README)
-# Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/.
+# Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/ (the series:
+# --arms projects/lessons/results/worlds, README).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=projects/lessons/results/arms

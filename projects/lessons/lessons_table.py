@@ -1,6 +1,7 @@
 """The lessons campaign's deciding figures, from every arm `campaign.sh` ran.
 
-  python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms]
+  python projects/lessons/lessons_table.py [--arms projects/lessons/results/arms (the tune and
+      decide phases'; the many-worlds series: projects/lessons/results/worlds)]
       [--out projects/lessons/results/lessons] [--reference grpo] [--boot 10000] [--cells w2-ws0]
       [--settings decide] [--level 0.95] [--complete] [--resample all|worlds]
 
@@ -608,7 +609,7 @@ def main(argv=None) -> None:
   p.add_argument("--reference", default="grpo")
   p.add_argument("--boot", type=int, default=10000)
   p.add_argument("--level", type=float, default=0.95, help="the intervals' level (0.975 for "
-                 "two primary contrasts at 95% together)")
+                 "two primary contrasts at 95%% together)")
   p.add_argument("--cells", default="*", help="a glob of the cells read, e.g. w2-ws0")
   p.add_argument("--complete", action="store_true", help="keep a run only where every arm of its "
                  "setting finished its seed and warm start in its world (a series stopped "

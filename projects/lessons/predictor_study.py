@@ -6,7 +6,7 @@ than GRPO's uniform groups (projects/lessons/README.md), while the runs logged p
 random slice near 0.6. This study asks why, offline, on one policy at a time:
 
   python projects/lessons/predictor_study.py --run=runs/.../trace_tree-seed0 --step=90 \
-      --out=projects/lessons/results/predictor_study/w3-ws0-seed0.json
+      --out=projects/lessons/results/predictor_study/w3-ws0-trace_paper-seed0.json
 
 For the run's warm start and for its checkpoint at `--step` (the run's own config.json, a scratch
 workdir), it samples `--group` rollouts on each of `--prompts` train prompts (temperature of the

@@ -1,6 +1,6 @@
 """Collects finished runs into one table: summary figures plus stage-1/stage-2 diagnostics.
 
-  python projects/mhqa/collect_runs.py --runs=runs/exp --out=results/ablations_tiny
+  python projects/mhqa/collect_runs.py --runs=runs/exp --out=projects/mhqa/results/ablations_tiny
 
 For every `<runs>/*/summary.json`: method, the config fields that differ between the runs, greedy
 EM before/after, effective ratio, the share of mixed trees after stage 1 and what stage 1 expected

@@ -2,9 +2,9 @@
 
   python projects/mhqa/probe_warm_start.py --temperatures=0.8 --offline_fit=false \
       --out=projects/mhqa/results/policy_probe/warm_start.json
-  python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/grpo-seed3 \
+  python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/trace-seed0 \
       --temperatures=0.8 --offline_fit=false \
-      --out=projects/mhqa/results/policy_probe/grpo-seed3.json
+      --out=projects/mhqa/results/policy_probe/trace-seed0.json
   python projects/mhqa/policy_outcomes.py --probes=projects/mhqa/results/policy_probe
 
 Reads every probe JSON under --probes (the one without a policy is the warm start) and writes

@@ -6,7 +6,8 @@ For each sampling temperature: the share of train prompts whose 8 samples are mi
 success, and the success of rollouts after a trap-hop search that surfaced the needed passage vs a
 planted misleading one. Then an offline fit of the predictor head on the prefix features of those
 rollouts (70/30 split by prompt), to separate "the features carry no signal" from "online training
-does not extract it". Writes results/warm_start_probe.json.
+does not extract it". Writes --out (default
+projects/mhqa/results/warm_start_probe.json).
 
 With --feature_variants, the offline fit is repeated on each feature the head could read
 (`trace_jax.diagnostics.FEATURE_VARIANTS`: the last token's final state, as today; the middle
@@ -16,9 +17,9 @@ layer's; the final states averaged over the prefix or over the prompt; two conca
 With --workdir, the policy probed is a training run's (its latest checkpoint, or --step) instead of
 the warm start: how far RL moved the trap-hop wording and what follows it.
 
-  python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/grpo-seed3 \
+  python projects/mhqa/probe_warm_start.py --workdir=runs/compare/default/rollouts/trace-seed0 \
       --temperatures=0.8 --offline_fit=false \
-      --out=projects/mhqa/results/policy_probe/grpo-seed3.json
+      --out=projects/mhqa/results/policy_probe/trace-seed0.json
 """
 
 import json

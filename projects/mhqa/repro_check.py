@@ -5,7 +5,7 @@
     --out=runs/repro_early/_out
   python projects/mhqa/repro_check.py --reference=projects/mhqa/results/compare_early \
     --rerun=runs/repro_early/_out \
-    --out=results/repro_early
+    --out=projects/mhqa/results/repro_early
 
 Both directories are `launch/compare.py` outputs (a `summary.json` and the archived runs under
 `runs/<run>/metrics.jsonl.gz`). For every run of the rerun's summary that the reference also holds,

@@ -4,7 +4,7 @@ side, each against a reference arm over seeds (Welch's t), with the held-out EM 
   python projects/mhqa/results_table.py \
     --arm="projects/mhqa/results/compare_trap09:grpo:grpo" \
     --arm="projects/mhqa/results/compare_trap09_hard:trace_tree:trace_tree, 8 hard slots" \
-    --reference="grpo" --eval_steps=8,10,12,16 --table_out=results/trap_world_table
+    --reference="grpo" --eval_steps=8,10,12,16 --table_out=projects/mhqa/results/trap_world_table
 
 Each `--arm` is `DIR:METHOD:LABEL`: the runs of METHOD (in `--regime` and `--budget`) in
 `DIR/summary.json`, shown as LABEL; `--reference` names the label the others are compared with.

@@ -25,7 +25,8 @@ _MEAN = flags.DEFINE_float("mean_success", 0.45, "mean sampled success of the po
 _POOLS = flags.DEFINE_string("pools", "16,32,48,96", "candidate pool sizes")
 _SIGMAS = flags.DEFINE_string("sigmas", "0,0.5,1,1.5,2,3", "predictor logit noise scales")
 _STEPS = flags.DEFINE_integer("steps", 300, "simulated steps per point")
-_OUT = flags.DEFINE_string("out", "results/pool_selection_sim", "output stem")
+_OUT = flags.DEFINE_string("out", "projects/mhqa/results/pool_selection_sim",
+                            "output stem")
 
 
 def main(argv):

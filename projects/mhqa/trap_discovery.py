@@ -152,5 +152,6 @@ if __name__ == "__main__":
   _FIRST = flags.DEFINE_integer("first_steps", 4,
                                 "RL steps averaged (1..first_steps); 4 is before any run of the "
                                 "trap world has found the wording (the earliest at 6)")
-  _OUT = flags.DEFINE_string("out", "results/trap_discovery", "output path without extension")
+  _OUT = flags.DEFINE_string("out", "projects/mhqa/results/trap_discovery",
+                             "output path without extension")
   app.run(main)
