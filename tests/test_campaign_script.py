@@ -144,3 +144,33 @@ def test_the_deciding_phase_runs_six_arms_with_their_seeds_and_one_flag_table(tm
 def test_the_deciding_phase_refuses_trace_best_before_the_tune_phase(tmp_path):
   jobs = _jobs(tmp_path, "decide", "trace_best", "grpo", BEST_BETA="")
   assert [re.search(r"--arm=(\S+)", j)[1] for j in jobs] == ["grpo", "grpo"]
+
+
+def test_the_worlds_series_reruns_on_other_world_seeds_apart_from_the_preregistered_one(tmp_path):
+  out = _run(tmp_path, "worlds", "0", WORLDS="100-101", TAG="fresh")
+  jobs = [j for j in out if j.startswith("python launch/compare.py")]
+  got = [(int(re.search(r"--set=world\.seed=(\d+)", j)[1]), re.search(r"--arm=(\S+)", j)[1],
+          int(re.search(r"--seeds=(\d+)", j)[1])) for j in jobs]
+  assert got == [(w, a, s) for s in (1, 2) for w in (100, 101)
+                 for a in ("grpo", "trace_paper", "trace_binned")]
+  for j in jobs:
+    assert "--out=projects/lessons/results/worlds_fresh/w" in j
+    assert "--runs=runs/lessons_worlds_fresh/w" in j and "--set=rl.steps=100" in j
+  checks = [j for j in out if j.startswith("python projects/lessons/supersede.py")]
+  assert len(checks) == 4 and all(
+      "--dest projects/lessons/results/worlds_fresh_superseded" in c for c in checks)
+  assert len(list((tmp_path / "runs" / "lessons_worlds_fresh" / "claims").glob("*/done"))) == 4
+  assert not (tmp_path / "runs" / "lessons_worlds").exists()  # the series' own claims untouched
+  listed = _jobs(tmp_path / "list", "worlds", "0", WORLDS="40,42", TAG="pick")
+  assert sorted({int(re.search(r"--set=world\.seed=(\d+)", j)[1]) for j in listed}) == [40, 42]
+
+
+@pytest.mark.parametrize("env,why", [
+    (dict(WORLDS="100-101"), "needs TAG=NAME"),
+    (dict(WORLDS="100-101", TAG="a/b"), "needs TAG=NAME"),
+    (dict(WORLDS="seven", TAG="t"), "give FIRST-LAST or a list"),
+    (dict(WORLDS="30-20", TAG="t"), "names no world seed")])
+def test_other_world_seeds_are_refused_without_a_tag_or_with_a_bad_list(tmp_path, env, why):
+  with pytest.raises(subprocess.CalledProcessError) as e:
+    _run(tmp_path, "worlds", "0", **env)
+  assert e.value.returncode == 2 and why in e.value.stderr

@@ -15,6 +15,9 @@
 #   bash projects/lessons/campaign.sh tune_binned0 WORKER  # the binned root objective, world 0
 #   bash projects/lessons/campaign.sh tune_binned1 WORKER  # ... world 1 (tune seeds, README)
 #   bash projects/lessons/campaign.sh worlds WORKER   # the many-worlds series (README)
+#   WORLDS=100-123 TAG=fresh bash projects/lessons/campaign.sh worlds WORKER
+#                                                     # ... the same series on other world seeds,
+#                                                     # into results/worlds_fresh/ (TAG required)
 # Then `python projects/lessons/lessons_table.py` merges every arm into results/lessons/ (the series:
 # --arms projects/lessons/results/worlds, README).
 set -uo pipefail
@@ -33,6 +36,23 @@ PILOT_OUT=projects/lessons/results/pilot
 # The many-worlds series (README, fixed before its first run): world seeds no comparison had
 # used, the arms, and the RL seeds per arm and world.
 SERIES_WORLDS=($(seq 6 29))
+# The same series rerun on world seeds of the caller's (e.g. seeds this repository never ran):
+# WORLDS="FIRST-LAST" or a list, into results/worlds_$TAG and runs/lessons_worlds_$TAG.
+SERIES_TAG=
+if [ -n "${WORLDS:-}" ]; then
+  [[ "${TAG:-}" =~ ^[A-Za-z0-9_]+$ ]] || {
+    echo "WORLDS=$WORLDS needs TAG=NAME (letters, digits, _): its results go to" \
+         "results/worlds_NAME, apart from the pre-registered series" >&2; exit 2; }
+  if [[ "$WORLDS" =~ ^([0-9]+)-([0-9]+)$ ]]; then
+    SERIES_WORLDS=($(seq "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"))
+  elif [[ "$WORLDS" =~ ^[0-9]+([\ ,][0-9]+)*$ ]]; then
+    read -ra SERIES_WORLDS <<< "${WORLDS//,/ }"
+  else
+    echo "WORLDS=$WORLDS: give FIRST-LAST or a list of world seeds" >&2; exit 2
+  fi
+  [ ${#SERIES_WORLDS[@]} -gt 0 ] || { echo "WORLDS=$WORLDS names no world seed" >&2; exit 2; }
+  SERIES_TAG=_$TAG
+fi
 SERIES_ARMS=(grpo trace_paper trace_binned)
 SERIES_SEEDS=2
 COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
@@ -193,7 +213,7 @@ phase() {
       # worker (which builds that world's warm start; no worker waits on another's), every world
       # at seed 0 before any world at seed 1. Outputs under results/worlds/w{W}-ws0/{arm}/;
       # the logs hold no tables (the series' table is made once, after its last run).
-      local worker=${only[0]:-0} k=0 s w a claims=runs/lessons_worlds/claims
+      local worker=${only[0]:-0} k=0 s w a claims=runs/lessons_worlds$SERIES_TAG/claims
       mkdir -p "$claims"
       for s in $(seq 1 "$SERIES_SEEDS"); do
         for w in "${SERIES_WORLDS[@]}"; do
@@ -202,7 +222,7 @@ phase() {
           echo "worker $worker: world $w, seeds<$s"
           (  # a lock per world: never two runs of one world's seeds at once
             flock 9
-            OUT=projects/lessons/results/worlds RUNS=runs/lessons_worlds
+            OUT=projects/lessons/results/worlds$SERIES_TAG RUNS=runs/lessons_worlds$SERIES_TAG
             COMMON[3]=--set=rl.steps=$PILOT_STEPS
             for pass in 1 2; do
               for a in "${SERIES_ARMS[@]}"; do
@@ -213,7 +233,7 @@ phase() {
               # are not paired: those not from the cached one leave the series and are rerun
               # (README, the series' amended "Failures" rule).
               python projects/lessons/supersede.py --cell "$OUT/w$w-ws0" --runs "$RUNS/w$w-ws0" \
-                --seed $((s - 1)) --dest projects/lessons/results/worlds_superseded
+                --seed $((s - 1)) --dest "projects/lessons/results/worlds${SERIES_TAG}_superseded"
               case $? in 0) break ;; 3) [ "$pass" = 1 ] || exit 1 ;; *) exit 1 ;; esac
             done
           ) 9>"$claims/lock_w$w" && touch "$claims/$k/done"
