@@ -204,7 +204,7 @@ def test_a_world_with_under_three_runs_a_side_gets_no_interval(tmp_path):
   arms = tmp_path / "arms"
   _write_arm(arms, "w6-ws0", "grpo", "grpo", 6, 0, 0.1)
   _write_arm(arms, "w6-ws0", "trace_paper", "trace_tree", 6, 0, 0.15)
-  lt.main([f"--arms={arms}", f"--out={tmp_path / 'out'}", "--boot=200"])
+  lt.main([f"--arms={arms}", f"--out={tmp_path / 'out'}", "--boot=200", "--no-plots"])
   s = json.loads((tmp_path / "out" / "summary.json").read_text())
   vs = next(a for a in s["arms"] if a["arm"] == "trace_paper")["vs_reference"]
   assert vs["diff"] > 0 and vs["lo"] is None and vs["hi"] is None
@@ -295,7 +295,7 @@ def test_complete_run_of_the_series_writes_the_reading_and_refuses_broken_runs(t
     _write_arm(arms, f"w{w}-ws0", "trace_paper", "trace_tree", w, 0, 0.15)
   out = tmp_path / "lessons"
   args = [f"--arms={arms}", f"--out={out}", "--boot=500", "--level=0.975", "--complete",
-          "--resample=worlds"]
+          "--resample=worlds", "--no-plots"]
   lt.main(args)
   s = json.loads((out / "summary.json").read_text())
   (q,) = s["pooled"]
@@ -303,6 +303,7 @@ def test_complete_run_of_the_series_writes_the_reading_and_refuses_broken_runs(t
   assert q["lo"] > 0 and q["verdict"] == "gains"
   md = (out / "summary.md").read_text()
   assert f"{q['diff']:+.4f} [{q['lo']:+.4f}, {q['hi']:+.4f}] | gains |" in md
+  assert not list(out.glob("*.png"))  # --no-plots
   # An evaluation gone NaN in one run: --complete refuses rather than leave that seed unpaired.
   run_dir = arms / "w7-ws0" / "trace_paper" / "runs" / "default" / "tokens" / "trace_tree-seed1"
   recs = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt")]

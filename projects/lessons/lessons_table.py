@@ -618,6 +618,8 @@ def main(argv=None) -> None:
                  "bootstrap's draws: worlds, warm starts and seeds (all), or worlds only")
   p.add_argument("--settings", default="", help="comma-separated settings kept (decide, tune, "
                  "control, old; default: all)")
+  p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                 help="write the plots (they regenerate each world's lessons: seconds a world)")
   p.add_argument("--progress", action="store_true", help="print which runs have finished (counts "
                  "and names, no figures; safe while a series runs) and write nothing")
   a = p.parse_args(argv)
@@ -655,6 +657,9 @@ def main(argv=None) -> None:
               "warm start): " + _run_names(dropped) + "\n")
     if mixed:
       f.write("\nWarning, arms from different warm starts (unpaired): " + " | ".join(mixed) + "\n")
+  if not a.plots:
+    print(markdown(result))
+    return
   lessons = {}
   for r in runs:
     key = (r.get("world_seed"), tuple(r["world_overrides"]))
