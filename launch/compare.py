@@ -93,9 +93,10 @@ _RUNS = flags.DEFINE_string("runs", "runs/compare", "parent directory of the run
 _OUT = flags.DEFINE_string("out", "projects/mhqa/results/compare", "output directory")
 _DRY = flags.DEFINE_bool("dry_run", False, "list the runs and exit")
 _PLOTS = flags.DEFINE_bool("plots", True, "write the plots")
-_PRINT = flags.DEFINE_bool("print_summary", True, "print the summary tables at the end (a series "
-                           "whose table is read once, after its last run, turns this off so its "
-                           "logs hold no figures)")
+_PRINT = flags.DEFINE_bool("print_summary", True, "print the summary tables at the end, and a "
+                           "failed run's log tail (a series whose table is read once, after its "
+                           "last run, turns this off: its logs hold no figures, a failure only "
+                           "its traceback)")
 _ARM = flags.DEFINE_string("arm", "", "a label for this invocation's runs (each run row's `arm`; "
                            "default: the method)")
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
@@ -200,9 +201,19 @@ def run_forwarding_signals(cmd, **popen_kwargs) -> int:
       signal.signal(sig, handler)
 
 
-def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
+def failure_tail(log_text: str, traceback_only: bool = False) -> str:
+  """What a failed run's error shows of its log: the last 3000 characters, or with
+  `traceback_only` (a series whose figures are read once) only its last traceback, which holds
+  no evaluation lines ("" when there is none: the log's path is given beside it)."""
+  if not traceback_only:
+    return log_text[-3000:]
+  at = log_text.rfind("Traceback (most recent call last)")
+  return "" if at < 0 else log_text[at:][-3000:]
+
+
+def run_one(config, runs_dir, row, warm_seed, extra, archive=None, quiet=False) -> dict:
   """Trains one run (unless its summary exists in `runs_dir` or in `archive`) and returns its
-  summary."""
+  summary. `quiet`: a failure shows only the run's traceback, not the end of its log."""
   done = finished_summary(runs_dir, archive, row["run"])
   if done:
     return json.load(open(done))
@@ -220,7 +231,7 @@ def run_one(config, runs_dir, row, warm_seed, extra, archive=None) -> dict:
     raise SystemExit(f"[compare] stopped by a signal: {row['run']} checkpointed its last step; "
                      f"rerun the same command to resume it (log {log})")
   if rc != 0 or not os.path.exists(path):
-    tail = open(log).read()[-3000:]
+    tail = failure_tail(open(log).read(), traceback_only=quiet)
     raise RuntimeError(f"run {row['run']} failed (rc={rc}); log {log}:\n{tail}")
   return json.load(open(path))
 
@@ -635,7 +646,7 @@ def main(argv):
       continue
     if r["run"] not in summaries:
       summaries[r["run"]] = run_one(_CONFIG.value, _RUNS.value, r, _WARM_SEED.value, _SET.value,
-                                    archive)
+                                    archive, quiet=not _PRINT.value)
       archive_run(os.path.join(_RUNS.value, r["run"]), archive_dir(_OUT.value, r["run"]))
     table_rows.append((r, None))
   recs = {run: run_records(os.path.join(_RUNS.value, run), archive_dir(_OUT.value, run))

@@ -161,13 +161,22 @@ def test_the_worlds_series_reruns_on_other_world_seeds_apart_from_the_preregiste
       "--dest projects/lessons/results/worlds_fresh_superseded" in c for c in checks)
   assert len(list((tmp_path / "runs" / "lessons_worlds_fresh" / "claims").glob("*/done"))) == 4
   assert not (tmp_path / "runs" / "lessons_worlds").exists()  # the series' own claims untouched
-  listed = _jobs(tmp_path / "list", "worlds", "0", WORLDS="40,42", TAG="pick")
-  assert sorted({int(re.search(r"--set=world\.seed=(\d+)", j)[1]) for j in listed}) == [40, 42]
+  listed = _jobs(tmp_path / "list", "worlds", "0", WORLDS="042, 40,42", TAG="pick")
+  assert [int(re.search(r"--set=world\.seed=(\d+)", j)[1]) for j in listed] == [42] * 3 + [40] * 3 \
+      + [42] * 3 + [40] * 3  # 042 is world 42, each world once, seed 0 everywhere first
+  assert all("/w42-ws0" in j or "/w40-ws0" in j for j in listed)
+  # A tag keeps its list (jobs are numbered by position): another list under it is refused.
+  with pytest.raises(subprocess.CalledProcessError) as e:
+    _run(tmp_path, "worlds", "0", WORLDS="102-103", TAG="fresh")
+  assert e.value.returncode == 2 and "TAG=fresh ran world seeds 100 101" in e.value.stderr
 
 
 @pytest.mark.parametrize("env,why", [
     (dict(WORLDS="100-101"), "needs TAG=NAME"),
     (dict(WORLDS="100-101", TAG="a/b"), "needs TAG=NAME"),
+    (dict(WORLDS="100-101", TAG="superseded"), "not superseded"),
+    (dict(WORLDS="100-101", TAG="x_superseded"), "not superseded"),
+    (dict(TAG="fresh"), "without WORLDS"),
     (dict(WORLDS="seven", TAG="t"), "give FIRST-LAST or a list"),
     (dict(WORLDS="30-20", TAG="t"), "names no world seed")])
 def test_other_world_seeds_are_refused_without_a_tag_or_with_a_bad_list(tmp_path, env, why):

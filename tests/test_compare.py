@@ -273,3 +273,12 @@ def test_a_stopped_campaign_stops_its_run():
   assert time.time() - t0 < 20  # the child did not sleep its 60 s out
   assert out.split() == ["child", "got", "SIGTERM", "rc", "75"], out
   assert p.returncode == 0
+
+
+def test_a_quiet_failure_shows_the_traceback_not_the_evaluations():
+  log = ("[trace_jax] step 10 eval_em=0.4123\n" * 50 + "Traceback (most recent call last):\n"
+         '  File "train.py", line 1, in <module>\nValueError: boom\n')
+  assert "eval_em=0.4123" in compare.failure_tail(log) and len(compare.failure_tail(log)) == 3000
+  quiet = compare.failure_tail(log, traceback_only=True)
+  assert quiet.startswith("Traceback") and "ValueError: boom" in quiet and "eval_em" not in quiet
+  assert compare.failure_tail("step 10 eval_em=0.41\nKilled\n", traceback_only=True) == ""

@@ -276,6 +276,9 @@ def test_series_contrast_is_the_mean_over_worlds_of_paired_seed_differences():
   (q2,) = lt.table(kept[::-1], "grpo", boot=2000, level=0.975, resample="worlds")["pooled"]
   assert (q2["diff"], q2["lo"], q2["hi"]) == (pytest.approx(.01), pytest.approx(lo),
                                               pytest.approx(hi))
+  # the secondary contrast (another reference) gets no reading: the rule is against grpo
+  (q3,) = lt.table(kept, "trace_paper", boot=200, level=0.975, resample="worlds")["pooled"]
+  assert q3["arm"] == "grpo" and q3["diff"] == pytest.approx(-.01) and q3["verdict"] is None
 
 
 def test_verdict_is_the_series_rule_on_unrounded_ends():

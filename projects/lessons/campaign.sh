@@ -36,23 +36,43 @@ PILOT_OUT=projects/lessons/results/pilot
 # The many-worlds series (README, fixed before its first run): world seeds no comparison had
 # used, the arms, and the RL seeds per arm and world.
 SERIES_WORLDS=($(seq 6 29))
-# The same series rerun on world seeds of the caller's (e.g. seeds this repository never ran):
-# WORLDS="FIRST-LAST" or a list, into results/worlds_$TAG and runs/lessons_worlds_$TAG.
 SERIES_TAG=
-if [ -n "${WORLDS:-}" ]; then
-  [[ "${TAG:-}" =~ ^[A-Za-z0-9_]+$ ]] || {
-    echo "WORLDS=$WORLDS needs TAG=NAME (letters, digits, _): its results go to" \
-         "results/worlds_NAME, apart from the pre-registered series" >&2; exit 2; }
-  if [[ "$WORLDS" =~ ^([0-9]+)-([0-9]+)$ ]]; then
-    SERIES_WORLDS=($(seq "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"))
-  elif [[ "$WORLDS" =~ ^[0-9]+([\ ,][0-9]+)*$ ]]; then
-    read -ra SERIES_WORLDS <<< "${WORLDS//,/ }"
-  else
-    echo "WORLDS=$WORLDS: give FIRST-LAST or a list of world seeds" >&2; exit 2
+
+series_worlds() {  # the same series rerun on world seeds of the caller's (e.g. never run here):
+  # WORLDS="FIRST-LAST" or a list with TAG=NAME, into results/worlds_NAME and
+  # runs/lessons_worlds_NAME; one list per tag. Neither set: the pre-registered series.
+  [ -z "${WORLDS:-}" ] && [ -z "${TAG:-}" ] && return 0
+  [ -n "${WORLDS:-}" ] || { echo "TAG=$TAG without WORLDS: the pre-registered series takes no" \
+                                 "tag; give the world seeds of the rerun (WORLDS=FIRST-LAST)" >&2
+                            return 2; }
+  if ! [[ "${TAG:-}" =~ ^[A-Za-z0-9_]+$ ]] || [[ "$TAG" == superseded || "$TAG" == *_superseded ]]
+  then
+    echo "WORLDS=$WORLDS needs TAG=NAME (letters, digits, _; not superseded): its results go" \
+         "to results/worlds_NAME, apart from the pre-registered series" >&2; return 2
   fi
-  [ ${#SERIES_WORLDS[@]} -gt 0 ] || { echo "WORLDS=$WORLDS names no world seed" >&2; exit 2; }
+  local ws=() w seen=" "
+  if [[ "$WORLDS" =~ ^([0-9]+)-([0-9]+)$ ]]; then
+    ws=($(seq "$((10#${BASH_REMATCH[1]}))" "$((10#${BASH_REMATCH[2]}))"))
+  elif [[ "$WORLDS" =~ ^[0-9]+([\ ,]+[0-9]+)*$ ]]; then
+    read -ra ws <<< "${WORLDS//,/ }"
+  else
+    echo "WORLDS=$WORLDS: give FIRST-LAST or a list of world seeds" >&2; return 2
+  fi
+  SERIES_WORLDS=()
+  for w in "${ws[@]}"; do  # 07 is world 7; each world once
+    w=$((10#$w))
+    [[ "$seen" == *" $w "* ]] || { SERIES_WORLDS+=("$w"); seen+="$w "; }
+  done
+  [ ${#SERIES_WORLDS[@]} -gt 0 ] || { echo "WORLDS=$WORLDS names no world seed" >&2; return 2; }
   SERIES_TAG=_$TAG
-fi
+  # jobs are numbered by position in the list: a tag keeps the list it started with
+  local list=runs/lessons_worlds$SERIES_TAG/worlds
+  mkdir -p "$(dirname "$list")"
+  [ -e "$list" ] || echo "${SERIES_WORLDS[*]}" > "$list"
+  [ "$(cat "$list")" = "${SERIES_WORLDS[*]}" ] || {
+    echo "TAG=$TAG ran world seeds $(cat "$list"), not ${SERIES_WORLDS[*]}: use another tag" >&2
+    return 2; }
+}
 SERIES_ARMS=(grpo trace_paper trace_binned)
 SERIES_SEEDS=2
 COMMON=(--config=configs/mhqa.py:lessons --regimes=default --budgets=tokens
@@ -213,6 +233,7 @@ phase() {
       # worker (which builds that world's warm start; no worker waits on another's), every world
       # at seed 0 before any world at seed 1. Outputs under results/worlds/w{W}-ws0/{arm}/;
       # the logs hold no tables (the series' table is made once, after its last run).
+      series_worlds || return 2
       local worker=${only[0]:-0} k=0 s w a claims=runs/lessons_worlds$SERIES_TAG/claims
       mkdir -p "$claims"
       for s in $(seq 1 "$SERIES_SEEDS"); do

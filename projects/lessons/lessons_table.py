@@ -174,7 +174,7 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
   rng = np.random.default_rng(seed)
   worlds = sorted((w for w in set(arm) & set(ref) if set(arm[w]) & set(ref[w])), key=str)
   if not worlds:
-    return dict(diff=float("nan"), lo=float("nan"), hi=float("nan"), n_worlds=0)
+    return dict(diff=float("nan"), lo=float("nan"), hi=float("nan"), n_worlds=0, n_cells=0)
   wss = {w: sorted(set(arm[w]) & set(ref[w]), key=str) for w in worlds}
 
   def mean_of(d):
@@ -417,8 +417,9 @@ def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
       if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
         continue
       q = pooled_bootstrap(d, ref, n=boot, level=level, resample=resample)
+      # the series' rule reads contrasts against grpo only (the others decide nothing)
       out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting), **q,
-                      verdict=verdict(q["lo"], q["hi"])))
+                      verdict=verdict(q["lo"], q["hi"]) if reference == "grpo" else None))
   return out
 
 
@@ -475,7 +476,7 @@ def markdown(result: dict) -> str:
     for q in result["pooled"]:
       lines.append(f"| {q['setting']} | {q['arm']} | {q['reference']} | {q['n_worlds']} | "
                    f"{q['n_cells']} | {q['diff']:+.4f} [{q['lo']:+.4f}, {q['hi']:+.4f}] | "
-                   f"{q['verdict']} |")
+                   f"{q['verdict'] or '- (not against grpo)'} |")
   if result.get("world_gains"):
     lines += ["", "Gain by world (exploratory): each arm's mean EM at equal tokens minus the "
               "reference's, beside the reference's sampled success:", "",
