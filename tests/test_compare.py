@@ -276,7 +276,7 @@ def test_a_stopped_campaign_stops_its_run():
 
 
 def test_a_quiet_failure_shows_the_traceback_not_the_evaluations():
-  log = ("[trace_jax] step 10 eval_em=0.4123\n" * 50 + "Traceback (most recent call last):\n"
+  log = ("[trace_jax] step 10 eval_em=0.4123\n" * 100 + "Traceback (most recent call last):\n"
          '  File "train.py", line 1, in <module>\nValueError: boom\n')
   assert "eval_em=0.4123" in compare.failure_tail(log) and len(compare.failure_tail(log)) == 3000
   quiet = compare.failure_tail(log, traceback_only=True)
