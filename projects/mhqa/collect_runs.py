@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, th
 sys.path.insert(0, _ROOT)
 
 _RUNS = flags.DEFINE_string("runs", "runs/exp", "parent directory of finished run workdirs")
-_OUT = flags.DEFINE_string("out", "results/ablations_tiny", "output stem (.json)")
+_OUT = flags.DEFINE_string("out", "projects/mhqa/results/ablations_tiny", "output stem (.json)")
 
 
 def _flatten(d, prefix=""):

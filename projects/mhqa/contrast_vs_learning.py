@@ -223,5 +223,6 @@ if __name__ == "__main__":
   _EXCLUDE = flags.DEFINE_multi_string("exclude", [], "leave out the runs whose "
                                        "`<dir name>/<run>` matches this shell pattern, e.g. "
                                        "'*/trace*-seed[34]'")
-  _OUT = flags.DEFINE_string("out", "results/contrast_vs_learning", "output path without suffix")
+  _OUT = flags.DEFINE_string("out", "projects/mhqa/results/contrast_vs_learning",
+                              "output path without suffix")
   app.run(main)

@@ -159,6 +159,7 @@ def main(argv):
 if __name__ == "__main__":
   _REFERENCE = flags.DEFINE_string("reference", None, "compare.py output dir of the campaign")
   _RERUN = flags.DEFINE_string("rerun", None, "compare.py output dir of the rerun")
-  _OUT = flags.DEFINE_string("out", "results/repro_check", "output path without extension")
+  _OUT = flags.DEFINE_string("out", "projects/mhqa/results/repro_check",
+                              "output path without extension")
   flags.mark_flags_as_required(["reference", "rerun"])
   app.run(main)

@@ -185,7 +185,7 @@ if __name__ == "__main__":
   _REGIME = flags.DEFINE_string("regime", "default", "regime of the runs to read")
   _BUDGET = flags.DEFINE_string("budget", "rollouts", "budget mode of the runs to read")
   _STEPS = flags.DEFINE_string("eval_steps", "8,10,12,16", "steps whose held-out EM is shown")
-  _OUT = flags.DEFINE_string("table_out", "results/results_table",
+  _OUT = flags.DEFINE_string("table_out", "projects/mhqa/results/results_table",
                              "output path without extension (.md, .json, .png)")
   flags.mark_flag_as_required("arm")
   app.run(main)
