@@ -344,8 +344,14 @@ def save(run: Run, state: LoopState) -> None:
   run.ckpt.save(state.step, state.train, dict(
       step=state.step, totals=state.totals, evals=state.evals, predictions=state.predictions,
       er_hist=state.er_hist, warm_start_probe=state.probe,
-      wall_seconds=state.wall_before + time.time() - run.t_start,
+      wall_seconds=wall_seconds(run, state),
       host=encode_host(host_state(run))), force=True)
+
+
+def wall_seconds(run: Run, state: LoopState) -> float:
+  """The run's wall clock over every process it took, up to now (a stopped process's work after
+  its last checkpoint is redone, so it is not counted)."""
+  return state.wall_before + time.time() - run.t_start
 
 
 def host_state(run: Run) -> dict:
@@ -733,9 +739,7 @@ def finish(run: Run, state: LoopState) -> dict:
                  prefill_tokens=int(state.totals["prefill_tokens"]),
                  tool_calls=int(state.totals["tool_calls"]),
                  skipped_steps=int(fetch(state.train["skipped"])),
-                 # the run's, over every process it took (the work after the last checkpoint
-                 # of a stopped process is redone, so it is not counted)
-                 wall_seconds=state.wall_before + time.time() - run.t_start,
+                 wall_seconds=wall_seconds(run, state),
                  workdir=run.workdir,
                  evals=evals, predictor=pred_rep, warm_start=run.warm_start,
                  warm_start_probe=state.probe, plots=plots,

@@ -198,8 +198,10 @@ def pooled_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
               n_worlds=len(worlds), n_cells=sum(len(v) for v in wss.values()))
 
 
-# The many-worlds series' rule (README, fixed before its first run): "a point" of mean EM.
+# The many-worlds series' rule (README, fixed before its first run): "a point" of mean EM, and
+# the arm its contrasts are against (the others decide nothing and get no reading).
 POINT = 0.010
+RULE_REFERENCE = "grpo"
 
 
 def verdict(lo: float, hi: float, point: float = POINT) -> str:
@@ -417,9 +419,8 @@ def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
       if ref is None or arm == _ref_name(reference, setting) or len(set(d) & set(ref)) < 2:
         continue
       q = pooled_bootstrap(d, ref, n=boot, level=level, resample=resample)
-      # the series' rule reads contrasts against grpo only (the others decide nothing)
       out.append(dict(setting=setting, arm=arm, reference=_ref_name(reference, setting), **q,
-                      verdict=verdict(q["lo"], q["hi"]) if reference == "grpo" else None))
+                      verdict=verdict(q["lo"], q["hi"]) if reference == RULE_REFERENCE else None))
   return out
 
 
