@@ -323,7 +323,7 @@ def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
   return runs
 
 
-def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
+def table(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
           level: float = 0.95, resample: str = "all") -> dict:
   """Adds the per-run figures and the per-arm aggregates (by world seed and setting)."""
   worlds = {}
@@ -381,7 +381,7 @@ def table(runs: list[dict], reference: str = "grpo", boot: int = 10000,
               world_gains=world_gains(arms_out, reference))
 
 
-def world_gains(aggs: list[dict], reference: str = "grpo") -> list[dict]:
+def world_gains(aggs: list[dict], reference: str = RULE_REFERENCE) -> list[dict]:
   """Per setting, world seed and arm: its difference to the reference in that world (the
   table's `vs_reference` diff), beside the reference's sampled success (its mean reward on the
   rollouts it trained on), a measure of how hard the world is for the policy: where the gain
@@ -401,7 +401,7 @@ def world_gains(aggs: list[dict], reference: str = "grpo") -> list[dict]:
   return out
 
 
-def pooled(runs: list[dict], reference: str = "grpo", boot: int = 10000,
+def pooled(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
            level: float = 0.95, resample: str = "all") -> list[dict]:
   """Each arm against the reference in mean EM at equal tokens, pooled over the world seeds
   where both ran (`pooled_bootstrap`); only where they share more than one world seed."""
@@ -608,7 +608,7 @@ def main(argv=None) -> None:
   p.add_argument("--arms", default=os.path.join(_ROOT, "projects", "lessons", "results", "arms"))
   p.add_argument("--out", default=os.path.join(_ROOT, "projects", "lessons", "results",
                                                "lessons"))
-  p.add_argument("--reference", default="grpo")
+  p.add_argument("--reference", default=RULE_REFERENCE)
   p.add_argument("--boot", type=int, default=10000)
   p.add_argument("--level", type=float, default=0.95, help="the intervals' level (0.975 for "
                  "two primary contrasts at 95%% together)")
