@@ -103,6 +103,9 @@ def test_main_writes_the_campaign_summary(tmp_path):
       a for a in s["arms"] if a["arm"] == "grpo")["em_at_equal_tokens"])
   assert g["gain"] > 0 and g["reference_sampled_success"] == pytest.approx(0.1)
   assert "Gain by world (exploratory)" in (out / "summary.md").read_text()
+  (o,) = [o for o in s["over_worlds"] if o["arm"] == "trace_best"]
+  assert o["worlds"] == 1 and o["em_at_equal_tokens"] == pytest.approx(best["em_at_equal_tokens"])
+  assert "Over worlds (descriptive" in (out / "summary.md").read_text()
   for name in ("summary.md", "em_vs_tokens.png", "lessons_learned.png", "discovery.png",
                "gain_by_world.png", "wall_clock.png"):
     assert (out / name).stat().st_size > 0, name
@@ -326,3 +329,33 @@ def test_complete_refuses_runs_of_different_lengths():
   runs[1]["steps"] = 60
   with pytest.raises(SystemExit, match="60 steps: w6/trace_paper/seed0"):
     lt.check_complete(runs)
+
+
+def test_over_worlds_averages_each_worlds_figures_and_summarises_the_gain_by_world():
+  def agg(arm, world, em, half, success):
+    return dict({k: None for k in lt.ARM_FIGURES}, setting="decide", arm=arm, world_seed=world,
+                em_at_equal_tokens=em, lessons_learned_half=half, sampled_success=success)
+  # Three worlds; grpo's sampled success 0.5 (near half), 0.8 and 0.9 (elsewhere).
+  aggs = [agg("grpo", 1, 0.40, 10, 0.5), agg("grpo", 2, 0.60, 20, 0.8),
+          agg("grpo", 3, 0.70, 30, 0.9),
+          agg("trace", 1, 0.46, 12, 0.4), agg("trace", 2, 0.58, 18, 0.7),
+          agg("trace", 3, 0.69, 33, 0.8)]
+  gains = [dict(setting="decide", world_seed=w, arm="trace", gain=d,
+                reference_sampled_success=s, runs=2, reference_runs=2)
+           for w, d, s in ((1, 0.06, 0.5), (2, -0.02, 0.8), (3, -0.01, 0.9))]
+  rows = {o["arm"]: o for o in lt.over_worlds(aggs, gains)}
+  t = rows["trace"]
+  assert t["worlds"] == 3 and t["em_at_equal_tokens"] == pytest.approx((0.46 + 0.58 + 0.69) / 3)
+  assert t["sampled_success"] == pytest.approx((0.4 + 0.7 + 0.8) / 3)
+  assert t["effective_ratio"] is None
+  assert t["lessons_half_ratio"] == pytest.approx(63 / 60)
+  assert (t["gain_worlds"], t["worlds_ahead"]) == (3, 1)
+  assert (t["gain_near_half"], t["worlds_near_half"]) == (pytest.approx(0.06), 1)
+  assert (t["gain_elsewhere"], t["worlds_elsewhere"]) == (pytest.approx(-0.015), 2)
+  assert t["gain_vs_reference_success_corr"] == pytest.approx(
+      np.corrcoef([0.5, 0.8, 0.9], [0.06, -0.02, -0.01])[0, 1])
+  g = rows["grpo"]  # the reference: its own ratio is 1, and it has no gains against itself
+  assert g["lessons_half_ratio"] == pytest.approx(1.0) and g["gain_worlds"] == 0
+  assert g["gain_vs_reference_success_corr"] is None and g["gain_near_half"] is None
+  md = lt.markdown(dict(arms=[], over_worlds=list(rows.values())))
+  assert "| decide | trace | 3 | 0.577 |" in md and "1 of 3" in md

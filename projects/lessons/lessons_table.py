@@ -15,6 +15,8 @@ per-step records, and writes to `--out`:
                  (warm starts resampled, then seeds within each; under 3 runs a side, none),
                  and `pooled`: each arm against the reference over world seeds, with the
                  many-worlds series' reading of its interval (`verdict`);
+                 and `over_worlds`: per arm the per-world figures averaged over world seeds,
+                 with its gain by world summarised (descriptive, no interval);
   summary.md     the same as tables (pooled differences to 4 decimals);
   em_vs_tokens.png, lessons_learned.png, discovery.png, gain_by_world.png, wall_clock.png.
 
@@ -323,6 +325,16 @@ def load_runs(arms_dir: str, cells: str = "*") -> list[dict]:
   return runs
 
 
+# The per-arm figures of a world (mean and std over its runs), and of the series (`over_worlds`).
+ARM_FIGURES = ("em_at_equal_tokens", "em_curve_mean", "effective_ratio", "lessons_learned_half",
+               "lessons_learned_all", "fact_verb_lessons_half", "fact_verb_lessons_all",
+               "seconds_per_step", "seconds_to_reference_final", "generated_tokens",
+               "stage1_mixed", "stage2_rollout_share", "sampled_success", "pool_p_hat_gap",
+               "stage1_even", "lessons_unknown_at_start", "lessons_found")
+# `over_worlds` splits the gain by world at the reference's sampled success within this of 0.5.
+NEAR_HALF = 0.1
+
+
 def table(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
           level: float = 0.95, resample: str = "all") -> dict:
   """Adds the per-run figures and the per-arm aggregates (by world seed and setting)."""
@@ -357,11 +369,7 @@ def table(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
     for arm, ars in sorted(by_arm.items()):
       agg = dict(arm=arm, world_seed=world, setting=setting, runs=len(ars),
                  warm_starts=sorted({r.get("warm_start_sha1") for r in ars}, key=str))
-      for k in ("em_at_equal_tokens", "em_curve_mean", "effective_ratio",
-                "lessons_learned_half", "lessons_learned_all", "fact_verb_lessons_half",
-                "fact_verb_lessons_all", "seconds_per_step", "seconds_to_reference_final",
-                "generated_tokens", "stage1_mixed", "stage2_rollout_share", "sampled_success",
-                "pool_p_hat_gap", "stage1_even", "lessons_unknown_at_start", "lessons_found"):
+      for k in ARM_FIGURES:
         v = [float(r[k]) for r in ars if r.get(k) is not None and np.isfinite(float(r[k]))]
         agg[k] = float(np.mean(v)) if v else None
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
@@ -376,9 +384,10 @@ def table(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
         ma, mr = _mean_nested(ha), _mean_nested(hr)
         agg["lessons_half_ratio"] = ma / mr if mr else None
       arms_out.append(agg)
+  gains = world_gains(arms_out, reference)
   return dict(arms=arms_out, pooled=pooled(runs, reference, boot, level, resample),
-              level=level, resample=resample,
-              world_gains=world_gains(arms_out, reference))
+              level=level, resample=resample, world_gains=gains,
+              over_worlds=over_worlds(arms_out, gains, reference))
 
 
 def world_gains(aggs: list[dict], reference: str = RULE_REFERENCE) -> list[dict]:
@@ -398,6 +407,45 @@ def world_gains(aggs: list[dict], reference: str = RULE_REFERENCE) -> list[dict]
                     gain=vs["diff"],
                     reference_sampled_success=r["sampled_success"], runs=a["runs"],
                     reference_runs=r["runs"]))
+  return out
+
+
+def over_worlds(aggs: list[dict], gains: list[dict],
+                reference: str = RULE_REFERENCE) -> list[dict]:
+  """Per setting and arm, descriptive (no interval): the mean over world seeds of each world's
+  `ARM_FIGURES` (each world weighs the same, as in `pooled`); `lessons_half_ratio`, its mean
+  lessons learned at half the budget over the reference's, on the worlds both ran; and from
+  `world_gains`: the worlds where it is ahead of the reference, the correlation of its gain
+  with the reference's sampled success, and its mean gain where that success is within
+  `NEAR_HALF` of 0.5 and elsewhere."""
+  by = {}
+  for a in aggs:
+    by.setdefault((a["setting"], a["arm"]), []).append(a)
+  out = []
+  for (setting, arm), rows in sorted(by.items()):
+    row = dict(setting=setting, arm=arm, worlds=len(rows))
+    for k in ARM_FIGURES:
+      v = [a[k] for a in rows if a.get(k) is not None]
+      row[k] = float(np.mean(v)) if v else None
+    ref = {a["world_seed"]: a for a in by.get((setting, _ref_name(reference, setting)), [])}
+    pairs = [(a["lessons_learned_half"], ref[a["world_seed"]]["lessons_learned_half"])
+             for a in rows if a["world_seed"] in ref and a["lessons_learned_half"] is not None
+             and ref[a["world_seed"]]["lessons_learned_half"] is not None]
+    den = sum(r for _, r in pairs)
+    row["lessons_half_ratio"] = sum(x for x, _ in pairs) / den if pairs and den else None
+    gs = [(g["reference_sampled_success"], g["gain"]) for g in gains
+          if g["setting"] == setting and g["arm"] == arm
+          and g["reference_sampled_success"] is not None]
+    near = [y for x, y in gs if abs(x - 0.5) <= NEAR_HALF]
+    far = [y for x, y in gs if abs(x - 0.5) > NEAR_HALF]
+    corr = None
+    if len(gs) > 2 and np.std([x for x, _ in gs]) > 0 and np.std([y for _, y in gs]) > 0:
+      corr = float(np.corrcoef([x for x, _ in gs], [y for _, y in gs])[0, 1])
+    row.update(gain_worlds=len(gs), worlds_ahead=sum(y > 0 for _, y in gs),
+               gain_vs_reference_success_corr=corr,
+               gain_near_half=float(np.mean(near)) if near else None, worlds_near_half=len(near),
+               gain_elsewhere=float(np.mean(far)) if far else None, worlds_elsewhere=len(far))
+    out.append(row)
   return out
 
 
@@ -486,6 +534,30 @@ def markdown(result: dict) -> str:
     for g in result["world_gains"]:
       lines.append(f"| {g['setting']} | {g['world_seed']} | {g['arm']} | {g['gain']:+.3f} | "
                    f"{f(g['reference_sampled_success'])} | {g['runs']} / {g['reference_runs']} |")
+  if result.get("over_worlds"):
+    lines += ["", "Over worlds (descriptive, no interval): each arm's per-world means averaged "
+              "over world seeds; lessons at half the budget against the reference's; its gain by "
+              f"world against the reference's sampled success (within {NEAR_HALF} of 0.5 or "
+              "not):", "",
+              "| setting | arm | worlds | mean EM at equal tokens | lessons learned half / all | "
+              "lessons at half vs reference | lessons found / unknown at step 0 | effective "
+              "ratio | stage-1 trees mixed | stage-2 share of rollouts | sampled success | "
+              "p̂ selected - left out | steps stage 1 split evenly | generated tokens | worlds "
+              "ahead | gain near 0.5 (worlds) | gain elsewhere (worlds) | corr(gain, reference's "
+              "success) |", "|" + "---|" * 18]
+    g = lambda v: "-" if v is None else f"{v:+.4f}"  # noqa: E731
+    for o in result["over_worlds"]:
+      lines.append(
+          f"| {o['setting']} | {o['arm']} | {o['worlds']} | {f(o['em_at_equal_tokens'])} | "
+          f"{f(o['lessons_learned_half'], 2)} / {f(o['lessons_learned_all'], 2)} | "
+          f"{f(o['lessons_half_ratio'], 3)} | {f(o['lessons_found'], 2)} / "
+          f"{f(o['lessons_unknown_at_start'], 2)} | {f(o['effective_ratio'])} | "
+          f"{f(o['stage1_mixed'])} | {f(o['stage2_rollout_share'])} | "
+          f"{f(o['sampled_success'])} | {f(o['pool_p_hat_gap'])} | {f(o['stage1_even'], 3)} | "
+          f"{f(o['generated_tokens'], 0)} | {o['worlds_ahead']} of {o['gain_worlds']} | "
+          f"{g(o['gain_near_half'])} ({o['worlds_near_half']}) | "
+          f"{g(o['gain_elsewhere'])} ({o['worlds_elsewhere']}) | "
+          f"{f(o['gain_vs_reference_success_corr'], 2)} |")
   lines += ["", "Where the budget went (means over RL steps; see `budget_use`):", "",
             "| setting | world | arm | stage-1 trees mixed | stage-2 share of rollouts | "
             "sampled success | p̂ selected - left out | steps stage 1 split evenly | "
