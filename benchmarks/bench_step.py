@@ -34,8 +34,6 @@ import platform
 import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -62,8 +60,7 @@ _COMPILES = None  # trace_jax.diagnostics.CompileCounter, started in main
 def measure(method: str, stage2: str, variant: str, steps: int, warmup: int,
             deadline: float = 0.0, keep: bool = True, off_policy: int = 0,
             decode_steps: int = 0) -> dict:
-  import mhqa
-
+  from configs import mhqa
   from trace_jax import train
 
   c = mhqa.get_config(variant)

@@ -31,8 +31,6 @@ import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -55,8 +53,7 @@ _TREES_FROM = flags.DEFINE_string("trees_from", "", "read each method's sampled 
 def sample_batches(method: str, variant: str, batches: int):
   """`batches` steps' trained trees of the default config with `method` (the update runs between
   them, so later steps sample from a moved policy), and the run that sampled them."""
-  import mhqa
-
+  from configs import mhqa
   from trace_jax import train
   from trace_jax.sampling.tree import save_trees
 

@@ -44,10 +44,6 @@ T_START = time.perf_counter()  # before the jax import, so the total includes it
 os.environ.setdefault("JAX_PALLAS_USE_MOSAIC_GPU", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (ROOT, os.path.join(ROOT, "launch")):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
-
 import argparse  # noqa: E402
 import faulthandler  # noqa: E402
 import functools  # noqa: E402
@@ -58,13 +54,13 @@ import subprocess  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
-from jax import lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 from trace_jax import kernels as ta  # noqa: E402
 from trace_jax.diagnostics import CompileCounter  # noqa: E402
-from trace_jax.kernels import gpu as gpu_kernel  # noqa: E402  (block-size constants, pltriton)
+from trace_jax.kernels import gpu as gpu_kernel  # noqa: E402
 
 H200_NOMINAL_GBPS = 4800.0
 COMPILES = CompileCounter()  # XLA compilations (n) and their seconds (s), all script long
@@ -106,7 +102,7 @@ def run_section(res: Results, name: str, fn, *args) -> None:
   log(f"== {name}")
   try:
     fn(out, res, *args)
-  except Exception as e:  # noqa: BLE001 - record and go on to the next section
+  except Exception as e:
     out.update(_err(e))
     log(f"{name} FAILED: {out['error']}")
   out["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -141,20 +137,20 @@ def section_env(out, res, args):
   try:
     import jaxlib
     out["jaxlib"] = getattr(jaxlib, "__version__", None) or jaxlib.version.__version__
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     out["jaxlib"] = repr(e)
   pkgs = {}
   for name in ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt",
                "flax", "optax", "numpy", "ml_dtypes", "matplotlib"):
     try:
       pkgs[name] = md.version(name)
-    except Exception:  # noqa: BLE001
+    except Exception:
       pass
   out["packages"] = pkgs
   try:
     out["memory_stats_start"] = {k: v for k, v in (devs[0].memory_stats() or {}).items()
                                  if k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use")}
-  except Exception:  # noqa: BLE001
+  except Exception:
     pass
   if out["backend"] == "gpu":
     try:
@@ -163,7 +159,7 @@ def section_env(out, res, args):
            "clocks.max.mem,power.limit", "--format=csv"],
           capture_output=True, text=True, timeout=20)
       out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       out["nvidia_smi"] = repr(e)
   log(f"jax {out['jax']} jaxlib {out.get('jaxlib')} backend {out['backend']} "
       f"{out['device_kind']} x{len(devs)}; pallas triton: {out['pallas_triton_importable']}; "
@@ -291,7 +287,7 @@ def section_correctness(out, res, args):
                  empty_slots_zero=zeros_ok, tol=tol, passed=ok_close and finite and zeros_ok)
       log(f"  {name:34s} S={row['num_slots']:3d} max|err| kernel {err_k:.2e} ref {err_r:.2e} "
           f"-> {'PASS' if row['passed'] else 'FAIL'}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       row.update(_err(e), passed=False)
       log(f"  {name:34s} ERROR {row['error'][:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -322,7 +318,7 @@ def build_speed_case(seed, prefix, branches, suffix, hq, hkv, d, ps, dtype):
   q = jax.random.normal(kq, (branches, hq, d), dtype)
   perm = rng.permutation(n_tree)
   prefix_ids, suffix_tab = perm[:pg], perm[pg:].reshape(branches, sp)
-  i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
   tree_args = (q, k_tree, v_tree, i32(prefix_ids[None]), i32([prefix]),
                i32(np.arange(branches)[None]), i32(suffix_tab), i32(np.full(branches, suffix)))
   # Duplicated: branch b's table is (its copy of the prefix pages, its suffix pages), at shuffled
@@ -412,7 +408,7 @@ def section_kernel_speed(out, res, args):
   try:
     out["copy_bw_GBps"] = copy_bandwidth(copy_bytes, reps)
     log(f"  copy bandwidth (x+1, bf16, {copy_bytes >> 20} MiB): {out['copy_bw_GBps']:.0f} GB/s")
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     out["copy_bw_error"] = _err(e)["error"]
   res.save()
   rows = out.setdefault("rows", [])
@@ -425,7 +421,7 @@ def section_kernel_speed(out, res, args):
     t0 = time.perf_counter()
     try:
       speed_row(row, i, prefix, branches, cfg, args.interpret, reps, loop_k, target_s)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       row.update(_err(e))
       log(f"  prefix {prefix} x {branches} ERROR {row['error'][:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -451,7 +447,7 @@ def speed_row(row, seed, prefix, branches, cfg, interpret, reps, loop_k, target_
     try:
       outs[name] = np.asarray(_block(f()), np.float32)
       fns[name] = f
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       row[name] = _err(e)
       log(f"  {name} ERROR {row[name]['error'][:300]}")
   base = "flat_ref" if "flat_ref" in outs else next(iter(outs), None)
@@ -472,7 +468,7 @@ def speed_row(row, seed, prefix, branches, cfg, interpret, reps, loop_k, target_
         _block(looped(*a))
         ts.append((time.perf_counter() - t1) / loop_k)
       timing[name]["loop_median_s"] = statistics.median(ts)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       timing[name]["loop_error"] = _err(e)["error"]
   tokens = {"tree": prefix + branches * cfg["suffix"],
             "flat": branches * (prefix + cfg["suffix"])}
@@ -541,7 +537,7 @@ def section_sampler(out, res, args):
     out["tiny_engine"] = r
     log(f"  tiny engine: tree {r['tree_attention']['generated_tok_s']:.0f} tok/s, plain "
         f"{r['plain_attention']['generated_tok_s']:.0f} tok/s (x{r['tree_vs_plain']:.2f})")
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     out["tiny_engine"] = _err(e)
     log(f"  tiny engine ERROR {out['tiny_engine']['error'][:300]}")
   out["tiny_engine"]["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -565,7 +561,7 @@ def section_sampler(out, res, args):
   rows = out.setdefault("sharing", [])
   try:
     graphdef, state = nnx.split(Qwen3(mcfg, rngs=nnx.Rngs(0)))
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     out["sharing_error"] = _err(e)
     return
   for i, (prefix, branches) in enumerate(points):
@@ -579,7 +575,7 @@ def section_sampler(out, res, args):
       log(f"  model h{mcfg.hidden_size} l{mcfg.num_layers} prefix {prefix:5d} x {branches:2d}: "
           f"tree {row['tree_tok_s']:.0f} tok/s, dup {row['dup_tok_s']:.0f} tok/s "
           f"(x{row['speedup_tree_vs_dup']:.2f}); KV x{row['kv_ratio_dup_vs_tree']:.1f}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       row = {"prefix": prefix, "branches": branches, **_err(e)}
       log(f"  sharing {prefix} x {branches} ERROR {row['error'][:300]}")
     row["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -659,7 +655,7 @@ def section_update(out, res, args):
   out["mfu_vs_measured_matmul"] = out["achieved_tflops"] / out["matmul_tflops_measured"]
   try:
     out["peak_bytes_in_use"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-  except Exception:  # noqa: BLE001
+  except Exception:
     pass
   log(f"  update {out['model']} [{rows}x{seq}] remat={cfg.remat}: {med * 1e3:.0f} ms/step, "
       f"{out['achieved_tflops']:.1f} TFLOP/s, MFU {out['mfu_vs_measured_matmul']:.2f} of a "
@@ -730,7 +726,7 @@ def summary(data) -> list[str]:
   for r in k.get("rows", []):
     done = [n for n in IMPLS if "ms" in r.get(n, {})]
     if done:
-      fmt = lambda v: "n/a" if v is None else f"x{v:.1f}"  # noqa: E731
+      fmt = lambda v: "n/a" if v is None else f"x{v:.1f}"
       lines.append(
           f"kernel {r['prefix']:5d} x {r['branches']:2d}: " + ", ".join(
               f"{n} {r[n]['ms']:.3f} ms/{r[n]['eff_GBps']:.0f} GB/s" for n in done)
@@ -801,12 +797,12 @@ def main():
     res.data["env"]["memory_stats_end"] = {
         k: v for k, v in (jax.devices()[0].memory_stats() or {}).items()
         if k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use")}
-  except Exception:  # noqa: BLE001
+  except Exception:
     pass
   png = os.path.join(args.out_dir, args.name + ".png")
   try:
     res.data["plot"] = png if plot(res.data, png) else None
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     res.data["plot_error"] = _err(e)["error"]
   res.data.update(total_wall_s=round(elapsed(), 1), total_compiles=COMPILES.n,
                   total_compile_s=round(COMPILES.s, 1))

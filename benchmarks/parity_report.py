@@ -10,12 +10,9 @@ import json
 import os
 import pathlib
 import platform
-import sys
 import tempfile
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
 
 def main():

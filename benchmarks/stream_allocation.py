@@ -25,8 +25,6 @@ import os
 import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -35,8 +33,8 @@ _CONFIG = flags.DEFINE_string("config", "tiny", "variant of configs/mhqa.py")
 _STEPS = flags.DEFINE_integer("steps", 8, "RL steps' prompt batches to score")
 _METHODS = flags.DEFINE_string("methods", "trace_tree,trace", "methods with a predicted stage 2")
 _OUT = flags.DEFINE_string("out", "results/stream_allocation", "output stem")
-_MAX_SHARE = flags.DEFINE_string("max_share", "", "comma-separated `_Stage2.max_share` values to "
-                                 "compare (default: the driver's)")
+_MAX_SHARE = flags.DEFINE_string("max_share", "", "comma-separated `Stage2Decisions.max_share` "
+                                 "values to compare (default: the driver's)")
 _DEADLINES = flags.DEFINE_string("deadlines", "0", "comma-separated `rollout.stage2_deadline` "
                                  "values to compare (0: the last group spends what is left)")
 
@@ -56,19 +54,19 @@ def objective(method, cfg, trees, cands, counts, p_anchor, outcomes) -> float:
 
 def main(argv):
   del argv
-  import mhqa
-
+  from configs import mhqa
   from trace_jax import train
-  from trace_jax.allocation.driver import RolloutDriver, _Stage2
+  from trace_jax.allocation.driver import RolloutDriver
+  from trace_jax.allocation.stage2 import Stage2Decisions
   from trace_jax.allocation.strategies.predicted import anchor_estimates
 
   c = mhqa.validate(mhqa.get_config(_CONFIG.value)).replace(workdir="/tmp/stream_allocation")
   run = train.build(c)
   state = train.probe_warm_start(run, train.init_state(run))
-  predict = lambda f: run.predict(train._host(state.train["pred_params"]), f)  # noqa: E731
+  predict = lambda f: run.predict(train.host_tree(state.train["pred_params"]), f)
   rows = []
   shares = [float(x) for x in _MAX_SHARE.value.split(",")] if _MAX_SHARE.value else [
-      _Stage2.max_share]
+      Stage2Decisions.max_share]
   deadlines = [float(x) for x in _DEADLINES.value.split(",")]
   variants = [(s, d) for s in shares for d in deadlines]
   for method in _METHODS.value.split(","):
@@ -91,7 +89,7 @@ def main(argv):
         used = driver.stage2_price()
         for share, deadline in variants:
           driver.cfg = dataclasses.replace(dcfg, stage2_deadline=deadline)
-          stream = _Stage2(driver, True, len(trees))
+          stream = Stage2Decisions(driver, True, len(trees))
           stream.max_share = share
           for g in groups:
             stream.on_done(g)

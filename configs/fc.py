@@ -4,19 +4,16 @@
   python launch/train.py --config=configs/fc.py:smoke              # a few steps at toy size
   python launch/train.py --config=configs/fc.py --config.method=grpo
 
-The same schema as `configs/mhqa.py` (`get_config` starts from its base), with `task="fc"`: the
-world section's seed and expert rates shape the embedded tasks (each template's correct
+The same schema as `configs/mhqa.py` (`get_config` starts from `configs/base.py`), with `task="fc"`:
+the world section's seed and expert rates shape the embedded tasks (each template's correct
 procedure is the expert's at a rate evenly spaced over [expert_rate_lo, expert_rate_hi]); the
 retriever section is unused. Held-out EM is the environment's reward (the final state and the
 answer), also per template (`eval_em_group/<template>`).
 """
 
-import os
-import sys
+from configs.base import tool_task_config, validate
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-
-import mhqa  # noqa: E402
+__all__ = ["get_config", "validate"]
 
 
 def get_config(arg: str | None = None):
@@ -25,10 +22,6 @@ def get_config(arg: str | None = None):
   # 0-2), and RL from there does not learn; at 1000 every seed tried (0-2) copies them (greedy
   # EM 0.51-0.52, balance solved) and only the procedures are left to learn
   # (projects/tool_tasks/README.md).
-  return mhqa.tool_task_config("fc", arg, max_turn_tokens=56, max_obs_tokens=32, max_seq_len=384,
-                               eval_size=400, num_traces=12000, sft_steps=1000)
+  return tool_task_config("fc", arg, max_turn_tokens=56, max_obs_tokens=32, max_seq_len=384,
+                          eval_size=400, num_traces=12000, sft_steps=1000)
 
-
-def validate(c):
-  """The typed `TrainConfig` of `c` (every value checked; see `configs/convert.py`)."""
-  return mhqa.validate(c)

@@ -53,17 +53,22 @@ import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # campaign.py, seed_stats.py
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from campaign import (archive_dir, archive_run, finished_summary, one_per_run,  # noqa: E402
-                                read_summary, run_records, write_summary)
-from seed_stats import (fmt as _fmt, fmt_welch, mean_of, stats as _stats,  # noqa: E402
-                                  wasted_ratio, welch)
-
+from launch.campaign import (  # noqa: E402
+  archive_dir,
+  archive_run,
+  finished_summary,
+  one_per_run,
+  read_summary,
+  run_records,
+  write_summary,
+)
+from launch.seed_stats import fmt as _fmt  # noqa: E402
+from launch.seed_stats import fmt_welch, mean_of, wasted_ratio, welch  # noqa: E402
+from launch.seed_stats import stats as _stats  # noqa: E402
 from trace_jax.allocation import strategies  # noqa: E402
 
 # The campaign's arms, in the order a seed runs them (every registered strategy).
@@ -122,7 +127,6 @@ def with_mixed_groups(table_row: dict, prompts: int) -> dict:
 
 
 def _load_config(config: str):
-  sys.path.append(os.path.join(_ROOT, "configs"))
   import importlib.util
   path, _, arg = config.partition(":")
   spec = importlib.util.spec_from_file_location("_cfg", os.path.join(_ROOT, path)
@@ -618,7 +622,7 @@ def main(argv):
   rows = plan(methods, _SEEDS.value, _BASELINE_SEEDS.value, regimes, budgets, keys)
   todo = sorted({r["run"] for r in rows})
   archive = archive_dir(_OUT.value)
-  finished = lambda run: finished_summary(_RUNS.value, archive, run) is not None  # noqa: E731
+  finished = lambda run: finished_summary(_RUNS.value, archive, run) is not None
   carried = {k: v for k, v in carried_rows(_OUT.value, todo).items() if not finished(k)}
   earlier = earlier_rows(_OUT.value, set(todo))
   done = [r for r in todo if finished(r) or r in carried]

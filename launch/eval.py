@@ -19,12 +19,9 @@ checkpoint, data and retriever came from.
 
 import json
 import os
-import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
@@ -74,7 +71,7 @@ def _run_config(workdir: str):
   """The config a run was trained with (its config.json), as a ConfigDict to override."""
   import ml_collections
 
-  from convert import load_run_config_dict  # configs/ is on sys.path
+  from configs.runs import load_run_config_dict
 
   try:
     return ml_collections.ConfigDict(load_run_config_dict(workdir))
@@ -84,7 +81,7 @@ def _run_config(workdir: str):
 
 def _hf_config(model_path: str):
   """Evaluation settings for a HF checkpoint: the paper-scale config, pointed at the checkpoint."""
-  import mhqa  # the config module (configs/ is on sys.path)
+  from configs import mhqa
 
   if not os.path.isdir(model_path):
     _fail(f"--model_path={model_path!r} does not exist")
@@ -162,7 +159,7 @@ def describe_policy(params, mesh) -> dict:
 def _examples_from_file(path, fmt, source, encode, bos_id, prompt_fn):
   """Examples of one QA file; without --source a file's examples are named after the file (e.g.
   hotpotqa.jsonl -> hotpotqa), except Search-R1 rows, which name their own data_source."""
-  from trace_jax.assets import _example
+  from trace_jax.assets import make_example
   from trace_jax.data import QAFormatError, load_qa
 
   try:
@@ -170,8 +167,8 @@ def _examples_from_file(path, fmt, source, encode, bos_id, prompt_fn):
   except QAFormatError as e:
     _fail(str(e))
   stem = os.path.splitext(os.path.basename(path))[0]
-  src = lambda e: e.source if source or stats.format == "searchr1" else stem  # noqa: E731
-  out = [_example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question),
+  src = lambda e: e.source if source or stats.format == "searchr1" else stem
+  out = [make_example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question),
                   hops=e.meta.get("hops") if isinstance(e.meta, dict) else None,
                   source=src(e), meta=e.meta) for e in exs]
   return out, dict(path=os.path.abspath(path), format=stats.format, records=stats.records,
@@ -186,7 +183,7 @@ def summarize(res: dict, examples: list) -> dict:
     counts[s] = counts.get(s, 0) + 1
   per_source = {s: dict(em=res["em_by_source"][s], f1=res["f1_by_source"][s], n=counts[s])
                 for s in res["em_by_source"]}
-  mean = lambda v: float(sum(v) / len(v)) if v else float("nan")  # noqa: E731
+  mean = lambda v: float(sum(v) / len(v)) if v else float("nan")
   return dict(em=res["em"], f1=res["f1"], n=res["n"], per_source=per_source,
               macro=dict(em=mean([v["em"] for v in per_source.values()]),
                          f1=mean([v["f1"] for v in per_source.values()])),
@@ -223,13 +220,13 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
+  from trace_jax.config import sampler_config
   from trace_jax.envs import prompts
+  from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.parallel import initialize, make_mesh, shard_state
-  from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.sampling.engine import SamplerEngine
-  from trace_jax.config import sampler_config
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   world_box = {}
@@ -263,8 +260,8 @@ def main(argv):
       tok = AutoTokenizer.from_pretrained(tdir, local_files_only=True)
     except (OSError, ValueError) as e:
       _fail(f"cannot load a tokenizer from {tdir!r} (set --tokenizer_path): {e}")
-    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    decode = lambda ids: tok.decode(list(ids))  # noqa: E731
+    encode = lambda s: tok.encode(s, add_special_tokens=False)
+    decode = lambda ids: tok.decode(list(ids))
     bos_id, eos_id = None, tok.eos_token_id
   graphdef, params = nnx.split(model)
   if pmesh is not None:  # a synthetic-world model is born unsharded; place it as training does

@@ -13,19 +13,22 @@ config change that does (see `trace_jax/plan.py` for the terms).
 import itertools
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from absl import app, flags
+from ml_collections import config_flags
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from trace_jax.models.qwen3 import get_preset  # noqa: E402
-from trace_jax.parallel.micro_batch import padded_rows  # noqa: E402
-from trace_jax.parallel.sharding import parse_mesh_spec  # noqa: E402
-from trace_jax.train import preds_per_row, row_len  # noqa: E402
-from trace_jax.plan import (DEVICES, KV_POOL_LAYOUTS, SLICES, candidate_meshes,  # noqa: E402
-                            format_table, plan_memory)
+from trace_jax.models.qwen3 import get_preset
+from trace_jax.parallel.micro_batch import padded_rows
+from trace_jax.parallel.sharding import parse_mesh_spec
+from trace_jax.plan import (
+  DEVICES,
+  KV_POOL_LAYOUTS,
+  SLICES,
+  candidate_meshes,
+  format_table,
+  plan_memory,
+)
+from trace_jax.train import preds_per_row, row_len
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/mhqa.py[:variant]")
 _MESH = flags.DEFINE_string("mesh", None, "one mesh, e.g. data:4,fsdp:1,tensor:8 (default: the "

@@ -16,8 +16,6 @@ import os
 import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
@@ -35,12 +33,12 @@ _COMPILE_CACHE = flags.DEFINE_string(
 
 
 def main(argv, hooks=None):
-  """Trains the config given by --config (translated and validated by `configs/convert.py`);
+  """Trains the config given by --config (translated and validated by `configs/convert.py`; a
+  value the variant would not read is refused, `configs/runs.check_overrides`);
   `hooks` (`trace_jax.train.Hooks`) wrap the run's parts, for callers that run this main with
   their own instrumentation (tests/faults.py)."""
   del argv
-  import convert  # configs/convert.py: ConfigDict -> the library's TrainConfig
-
+  from configs import convert, runs
   from trace_jax.train import Diverged, Preempted, train, use_compile_cache
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
@@ -49,8 +47,10 @@ def main(argv, hooks=None):
   c = _CONFIG.value
   if _WORKDIR.value:
     c.workdir = _WORKDIR.value
+  tc = convert.to_train_config(c)
+  runs.check_overrides(c)  # a flag this variant would ignore is refused
   try:
-    train(convert.to_train_config(c), hooks)
+    train(tc, hooks)
   except Preempted as e:
     print(f"[trace_jax] preempted: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_PREEMPTED)

@@ -46,8 +46,6 @@ import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -74,7 +72,7 @@ _IND_REPLAY = flags.DEFINE_float(
 
 
 def _typed(cdict):
-  import convert
+  from configs import convert
   return convert.to_train_config(cdict)
 
 
@@ -187,7 +185,7 @@ def lesson_choice_probs(run, params, examples, chunk: int = 64) -> dict:
 def _with_replay(packed: dict, c, assets, world, lesson: str, n_taught: int, share: float) -> dict:
   """`packed` rows plus rows of the warm start's expert traces (the untaught world) of the
   questions without `lesson`, about `share` of all rows (shuffled together)."""
-  from trace_jax.assets import warm_start_data
+  from trace_jax.warm_start import warm_start_data
   if not 0 < share < 1:
     raise ValueError(f"--independence_replay={share} must be in (0, 1) (0: no replay)")
   others = [e for e in world.train if lesson not in e.meta["relations"]]
@@ -209,7 +207,7 @@ def independence_part(c) -> dict:
   import jax.numpy as jnp
 
   from trace_jax import train as T
-  from trace_jax.assets import warm_start_data
+  from trace_jax.warm_start import warm_start_data
   from trace_jax.evaluate import evaluate
   from trace_jax.sft import SFTConfig, sft_train
 
@@ -329,7 +327,7 @@ def summarize_grpo(curves: dict) -> dict:
     with_never = discovery_steps(curve, "fact_verb", never=steps[-1] + 1)
     censored += with_never
     never += sum(x == steps[-1] + 1 for x in with_never)
-  iqr = lambda v: float(np.subtract(*np.percentile(v, [75, 25]))) if v else float("nan")  # noqa
+  iqr = lambda v: float(np.subtract(*np.percentile(v, [75, 25]))) if v else float("nan")
   return dict(grpo_em50_over_final=float(np.median(ratio)) if ratio else float("nan"),
               grpo_plateau_step=float(np.median(plateau)) if plateau else float("nan"),
               grpo_final_em=[float(x) for x in finals],

@@ -8,12 +8,9 @@ The one smoke run that several files read is trained once per session across wor
 """
 
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The campaign tools (launch/campaign.py, launch/seed_stats.py) are scripts' modules, not library.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
 
 # One persistent compilation cache for the tests' own processes, both workers and the runs they
 # launch (tests/test_train_smoke.launch_env): a program compiled by one test is loaded, not

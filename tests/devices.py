@@ -9,12 +9,15 @@ import sys
 
 from conftest import xla_flags
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# A script imports the tests' helpers (test_batch, test_tree_attention): tests/ is on its path.
+SCRIPTS = os.path.join(TESTS, "scripts")
 
 
 def device_env(devices: int = 8, **extra) -> dict:
   """The environment of a process with `devices` CPU devices."""
-  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
+              PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]), **extra)
 
 
 def last_json(out: str) -> dict:

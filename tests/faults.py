@@ -14,7 +14,6 @@ As a script it is `launch/train.py` with three more flags:
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -116,9 +115,9 @@ def fault_hooks(nan_steps: str = "", stall: str = "", retriever_errors: str = ""
 
 
 def _main():
-  sys.path.insert(0, os.path.join(_ROOT, "launch"))
-  import train as launch_train  # launch/train.py (its flags, configs/ on sys.path)
   from absl import app, flags
+
+  from launch import train as launch_train  # launch/train.py (its flags)
 
   nan = flags.DEFINE_string("nan_steps", "", "RL steps whose update gets a NaN loss, e.g. 2,3")
   stall = flags.DEFINE_string("stall", "", "PROCESS:SECONDS: that process's first env step stalls")

@@ -3,14 +3,13 @@
 import os
 import sys
 
+from configs import mhqa, runs
+from trace_jax import assets, warm_start
+from trace_jax.assets import sft_seed
+from trace_jax.config import TrainConfig
+from trace_jax.warm_start import warm_start_key
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(os.path.join(ROOT, "configs"))
-
-import mhqa  # noqa: E402
-
-from trace_jax import assets  # noqa: E402
-from trace_jax.assets import sft_seed, warm_start_key  # noqa: E402
-from trace_jax.config import TrainConfig  # noqa: E402
 
 
 def _cfg(**overrides) -> TrainConfig:
@@ -79,13 +78,12 @@ def test_trap_rate_keys_its_own_world_and_warm_start(tmp_path):
   assert mhqa.DEFAULT_TRAP_RATE == SyntheticWorldConfig.trap_rate
   import json
 
-  import convert
 
   base = _cfg()
   saved = base.to_dict()
   del saved["world"]["trap_rate"]  # a run's config.json from before the option
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  legacy = convert.load_run_config(str(tmp_path))
+  legacy = runs.load_run_config(str(tmp_path))
   assert legacy == base and warm_start_key(base) == warm_start_key(legacy)
   assert world_dir_name(base) == world_dir_name(legacy) == "world-seed0"
   harder = _cfg(world__trap_rate=0.9)
@@ -116,8 +114,8 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
   from trace_jax.envs import fc_world
 
   c = _cfg(task="fc", world__cache_dir=str(tmp_path))
-  base = assets.warm_start_sample_sha1(c, assets.load_assets(c))
-  assert base == assets.warm_start_sample_sha1(c, assets.load_assets(c))  # deterministic
+  base = warm_start.warm_start_sample_sha1(c, assets.load_assets(c))
+  assert base == warm_start.warm_start_sample_sha1(c, assets.load_assets(c))  # deterministic
   assert warm_start_key(c, base) != warm_start_key(c, "0" * 12)
   real = fc_world._plan
 
@@ -125,7 +123,7 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
     return [("look " + t, call) for t, call in real(template, state, params, mistake)]
 
   monkeypatch.setattr(fc_world, "_plan", other_thoughts)
-  assert assets.warm_start_sample_sha1(c, assets.load_assets(c)) != base
+  assert warm_start.warm_start_sample_sha1(c, assets.load_assets(c)) != base
 
 
 def test_build_lock_excludes_another_process_until_released(tmp_path):
@@ -138,8 +136,8 @@ def test_build_lock_excludes_another_process_until_released(tmp_path):
            "f = open(sys.argv[1], 'a')\n"
            "try:\n  fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n  print('free')\n"
            "except BlockingIOError:\n  print('held')\n")
-  take = lambda: subprocess.run([sys.executable, "-c", probe, path], capture_output=True,  # noqa: E731
+  take = lambda: subprocess.run([sys.executable, "-c", probe, path], capture_output=True,
                                 text=True, check=True).stdout.strip()
-  with assets.build_lock(path):
+  with warm_start.build_lock(path):
     assert take() == "held"
   assert take() == "free"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-import campaign
+from launch import campaign
 
 RUN = "default/rollouts/grpo-seed0"
 

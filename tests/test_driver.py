@@ -205,7 +205,7 @@ def test_dapo_keeps_mixed_groups_and_charges_dropped(sampled):
 
 @pytest.mark.parametrize("method", [m for m, u, _ in STREAM if u])
 def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, method):
-  from trace_jax.allocation.driver import _Stage2
+  from trace_jax.allocation.stage2 import Stage2Decisions
 
   driver = RolloutDriver(engine, DriverConfig(method=method, stage2="stream", **CFG), predict,
                          prompt_features, seed=0)
@@ -219,7 +219,7 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
     driver.rng = np.random.default_rng(3)
     cands = driver.candidates(trees)
     batch, _ = driver.prefix_counts(trees, cands)
-    at_once = _Stage2(driver, True, len(trees))
+    at_once = Stage2Decisions(driver, True, len(trees))
     driver.rng = np.random.default_rng(3)
     at_once.on_done(list(reversed(trees)))  # any order within one call
     assert at_once.cands == list(cands)
@@ -228,7 +228,7 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
     # One tree at a time, in every order: each group gets at most its share of what is left,
     # and the continuations never exceed the budget.
     for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
-      one = _Stage2(driver, True, len(trees))
+      one = Stage2Decisions(driver, True, len(trees))
       for i in order:
         left = one.left
         one.on_done([trees[i]])
@@ -244,7 +244,7 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
     dl = RolloutDriver(engine, DriverConfig(method=method, stage2="stream",
                                             stage2_deadline=0.5, **CFG), predict,
                        prompt_features, seed=0)
-    late = _Stage2(dl, True, len(trees))
+    late = Stage2Decisions(dl, True, len(trees))
     late.on_done([trees[0]])
     forks = late.on_done([trees[1]])
     assert late.closed and late.shares[-1] == PREFIX_BUDGET - sum(
@@ -267,7 +267,7 @@ def test_streamed_stage2_equals_batch_when_every_tree_finishes_at_once(engine, m
 @pytest.mark.parametrize("method", ["trace", "trace_tree"])
 def test_value_curve_and_the_price_rule(engine, method):
   from trace_jax.allocation import allocators
-  from trace_jax.allocation.driver import _Stage2
+  from trace_jax.allocation.stage2 import Stage2Decisions
 
   driver = RolloutDriver(engine, DriverConfig(method=method, stage2="stream", **CFG), predict,
                          prompt_features, seed=0)
@@ -299,11 +299,11 @@ def test_value_curve_and_the_price_rule(engine, method):
     gains = np.diff(own)
     for price in (0.0, float(np.median(gains)), float(gains.max()) + 1.0):
       driver._stage2_prices = [price]
-      one = _Stage2(driver, True, len(trees))
+      one = Stage2Decisions(driver, True, len(trees))
       one.on_done([trees[0]])
       below = np.flatnonzero(gains < price)
       worth = int(below[0]) if below.size else PREFIX_BUDGET
-      cap = int(np.ceil(_Stage2.max_share * PREFIX_BUDGET / len(trees)))
+      cap = int(np.ceil(Stage2Decisions.max_share * PREFIX_BUDGET / len(trees)))
       assert one.shares == [min(worth, cap)], (price, gains)
     assert one.price(PREFIX_BUDGET) == pytest.approx(
         float(np.sort(gains)[::-1][PREFIX_BUDGET - 1]))

@@ -86,10 +86,8 @@ class WordTokenizer:
 def test_a_toy_task_trains_a_trace_tree_step(tmp_path):
   """A task written here (examples, tokenizer, `FunctionEnv`) plugged into `train.train` with
   `trace_tree`: the run samples trees through the toy environment and updates."""
-  import os
-  import sys
 
-  from test_train_smoke import ROOT, smoke_args
+  from test_train_smoke import smoke_args
 
   from trace_jax import train as T
   from trace_jax.assets import Assets
@@ -108,8 +106,7 @@ def test_a_toy_task_trains_a_trace_tree_step(tmp_path):
   assets = Assets(encode=tok.encode, decode=tok.decode, bos_id=1, eos_id=2,
                   vocab_size=len(tok.vocab), train=[example(i) for i in range(10)],
                   test=[example(i) for i in range(4)], retriever=None, env=env)
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
+  from configs import mhqa
 
   c = mhqa.get_config("smoke")
   for arg in smoke_args(str(tmp_path), 1)[1:]:  # the smoke run's sizes

@@ -3,20 +3,15 @@ the posterior and discovery root objectives, anchors before a tool call, the sli
 ledger when it steers, and the head fit on the slice with a holdout and an ensemble (with stage 2
 streamed, so the options are checked together)."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
+from test_train_smoke import draw_outcomes, smoke_config
 
-from test_train_smoke import ROOT, draw_outcomes, smoke_config
+from configs import mhqa
 from trace_jax.allocation import strategies
-from trace_jax.config import driver_config
+from trace_jax.allocation.driver import driver_config
 from trace_jax.sampling.tree import Tree
-
-sys.path.append(os.path.join(ROOT, "configs"))
-
-import mhqa  # noqa: E402
 
 
 def _config(tmp_path, tmp_path_factory, method="trace_tree", **sections):

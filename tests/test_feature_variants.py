@@ -119,17 +119,13 @@ def test_a_run_checkpoint_restores_with_the_head_width_it_was_trained_with():
   (`checkpoint.restore_target`); with the prompt mean the head reads 2 x hidden features, so the
   target must be that wide (it was hidden-wide, and a prompt-mean run's checkpoint failed to
   restore)."""
-  import os
-  import sys
 
   import jax
   import pytest
 
+  from configs import mhqa
   from trace_jax.checkpoint import restore_target
   from trace_jax.models.predictor import feature_width
-
-  sys.path.append(os.path.join(os.path.dirname(__file__), "..", "configs"))
-  import mhqa
   gd, st = nnx.split(Qwen3(get_preset("tiny", vocab_size=V), rngs=nnx.Rngs(0)))
   d = nnx.merge(gd, st).cfg.hidden_size
   for features, width in (("last", d), ("last+prompt_mean", 2 * d)):

@@ -3,15 +3,13 @@
 import gzip
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "projects", "lessons"))
+from projects.lessons import lessons_table as lt
 
-import lessons_table as lt  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _curve(pairs, lessons=None):

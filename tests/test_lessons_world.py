@@ -136,8 +136,7 @@ def test_bad_world_configs_raise(bad, match):
 
 
 def test_run_config_checks_world_fields():
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
+  from configs import mhqa
 
   c = mhqa.get_config("lessons")
   assert mhqa.validate(c).world.kind == "lessons"
@@ -214,13 +213,10 @@ def test_lesson_choice_probs_are_per_lesson_probabilities(tmp_path):
   import jax.numpy as jnp
   from flax import nnx
 
-  from trace_jax.parallel.sharding import set_variable_value, variable_value
-
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
-
+  from configs import mhqa
   from trace_jax import train as T
   from trace_jax.diagnostics import lesson_choice_probs
+  from trace_jax.parallel.sharding import set_variable_value, variable_value
 
   c = mhqa.get_config("smoke")
   c.world.kind = "lessons"
@@ -257,8 +253,7 @@ def test_discovery_spread_with_and_without_lessons_never_found():
   another test's in-process import of a launch script would clash with)."""
   code = """
 import json, sys
-sys.path.insert(0, "launch")
-from world_check import summarize_grpo
+from launch.world_check import summarize_grpo
 def at(found):  # lessons a..e: fact-verb share 1 for those found
   return dict(em=0.1 * len(found), lessons={}, fact_verb={k: float(k in found) for k in "abcde"})
 out = summarize_grpo({0: {0: at("a"), 10: at("ab"), 20: at("abc"), 30: at("abcd")}})
@@ -283,9 +278,8 @@ def test_independence_replay_mixes_the_other_questions_rows_in():
   code = """
 import json, sys, types
 import numpy as np
-sys.path.insert(0, "launch")
-import trace_jax.assets as A
-from world_check import _with_replay
+import trace_jax.warm_start as A
+from launch.world_check import _with_replay
 seen = {}
 def fake(c, assets, num_traces=None, examples=None):
   seen.update(n=num_traces, examples=[e.meta["relations"] for e in examples], world=assets.world)

@@ -120,10 +120,10 @@ def test_real_data_reader(tmp_path):
 
 
 def test_math_main_job_smoke(tmp_path):
-  """`launch/train.py --config=configs/math.py:smoke`, one step: warm start on the expert's
+  """`launch/train.py --config=configs/tool_math.py:smoke`, one step: warm start on the expert's
   traces, a trace_tree step through the calculator, held-out EM per template."""
   from test_train_smoke import tool_task_smoke
 
-  summary, evals = tool_task_smoke(tmp_path, "configs/math.py:smoke")
+  summary, evals = tool_task_smoke(tmp_path, "configs/tool_math.py:smoke")
   assert summary["rollouts"] > 0 and summary["warm_start"]["rows"] > 0
   assert evals and any(k.startswith("eval_em_group/") for k in evals[0])

@@ -3,14 +3,11 @@
 import gzip
 import json
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "projects", "lessons"))
-import power  # noqa: E402
+from projects.lessons import power
 
 
 def _simulate(rng, worlds, seeds, sigma, tau, gain, warm_starts=1):

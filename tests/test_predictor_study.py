@@ -2,15 +2,13 @@
 
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "projects", "lessons"))
+from projects.lessons import predictor_study as ps
 
-import predictor_study as ps  # noqa: E402
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 @pytest.mark.parametrize("p", [0.03, 0.3, 0.5, 0.9])

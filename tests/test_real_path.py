@@ -22,7 +22,6 @@ import time
 import urllib.request
 
 import pytest
-
 from test_multiprocess_train import launch_pair
 from test_train_smoke import ROOT, launch
 
@@ -211,8 +210,7 @@ def test_real_path_eval_on_one_device(real_run, tmp_path):
 
 # ---- the fixes the real path needed --------------------------------------------------------------
 def _config(variant):
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
+  from configs import mhqa
   return mhqa.get_config(variant)
 
 
@@ -232,14 +230,14 @@ def test_prompt_plan_with_fewer_train_questions_than_probe_prompts():
   """A real train set smaller than eval.probe_prompts (32) used to fail at the first RL step."""
   import numpy as np
 
-  from trace_jax.train import _prompt_plan
+  from trace_jax.train import prompt_plan
 
-  probe, order = _prompt_plan(0, 32, 16)
+  probe, order = prompt_plan(0, 32, 16)
   assert sorted(order.tolist()) == list(range(16)) and len(set(probe.tolist())) == 16
   # unchanged where the train set is large enough: same draws as before the fix
   rng = np.random.default_rng(7)
   p0 = rng.choice(100, 8, replace=False)
-  probe, order = _prompt_plan(7, 8, 100)
+  probe, order = prompt_plan(7, 8, 100)
   assert probe.tolist() == p0.tolist() and order.tolist() == rng.permutation(100).tolist()
 
 

@@ -9,10 +9,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "launch"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "projects", "mhqa"))
-
-import repro_check  # noqa: E402
+from projects.mhqa import repro_check
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

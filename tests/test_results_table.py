@@ -12,8 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from seed_stats import (fmt, fmt_welch, is_finite, mean, mean_of, stats, wasted_ratio,
-                                  welch)
+from launch.seed_stats import fmt, fmt_welch, is_finite, mean, mean_of, stats, wasted_ratio, welch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(

@@ -396,7 +396,7 @@ def test_rollouts_started_ahead_fill_idle_slots_and_are_adopted(model):
   its own trees are done, and the next run adopts them: with the same weights every tree equals
   a plain run's (rollouts draw their rng streams from (seed, tree uid, branch)), each run's ledger
   is its own trees' cost, and no page leaks."""
-  from trace_jax.allocation.driver import _trees_cost
+  from trace_jax.allocation.driver import trees_cost
 
   step1 = [PromptRequest(p, n=3, uid=10 + i) for i, p in enumerate(PROMPTS[:2])]
   step2 = [PromptRequest(p, n=2, uid=20 + i) for i, p in enumerate(PROMPTS)]
@@ -413,7 +413,7 @@ def test_rollouts_started_ahead_fill_idle_slots_and_are_adopted(model):
   # The ahead rollouts used the slots step 1 left idle (8 slots, 6 rollouts of step 1).
   assert engine.ahead_ledger.rollouts_started >= 2
   used = {k: v - before[k] for k, v in engine.ledger.as_dict().items()}
-  cost1 = _trees_cost(a1)
+  cost1 = trees_cost(a1)
   assert all(used[k] == cost1[k] for k in cost1), (used, cost1)
   with pytest.raises(ValueError, match="adopt"):
     engine.run([PromptRequest(PROMPTS[0], n=1)])
@@ -422,7 +422,7 @@ def test_rollouts_started_ahead_fill_idle_slots_and_are_adopted(model):
   assert [t.uid for t in a2] == [20, 21, 22] and not engine.carried
   assert _tree_tokens(a2) == _tree_tokens(ref2) and _same_logprobs(a2, ref2)
   used = {k: v - before[k] for k, v in engine.ledger.as_dict().items()}
-  cost2 = _trees_cost(a2)
+  cost2 = trees_cost(a2)
   assert all(used[k] == cost2[k] for k in cost2), (used, cost2)
   assert engine.ahead_ledger.as_dict() == {k: 0 for k in used}
   # Idle slot steps split into empty slots and turns that ended inside a multi-step call.

@@ -2,14 +2,11 @@
 
 import json
 import os
-import sys
+
+from launch.campaign import finished_summary, read_summary
+from projects.lessons import supersede as sp
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "projects", "lessons"))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-
-import supersede as sp  # noqa: E402
-from campaign import finished_summary, read_summary  # noqa: E402
 
 
 def _arm(cell, arm, method, shas, mtime):

@@ -56,8 +56,7 @@ def smoke_args(base, steps):
 def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
   """The smoke run's config as a typed `TrainConfig` (its warm start reused from the session's
   smoke cache), one RL step, `method`, and `sections` overrides written section__field=value."""
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
+  from configs import mhqa
 
   base = os.path.dirname(smoke_run(tmp_path_factory)["cache"])
   c = mhqa.get_config("smoke")
@@ -79,7 +78,7 @@ def smoke_config(tmp_path_factory, workdir, method="trace_tree", **sections):
 
 def tool_task_smoke(tmp_path, config: str):
   """One trace_tree step of a tool task's main job at the smallest size (`config`, e.g.
-  configs/math.py:smoke); returns (summary, evaluation records)."""
+  configs/tool_math.py:smoke); returns (summary, evaluation records)."""
   res = launch("train.py", f"--config={config}", f"--workdir={tmp_path}/run",
                f"--config.world.cache_dir={tmp_path}/cache", "--config.rl.steps=1",
                "--config.sft.steps=3", "--config.sft.num_traces=64",
@@ -219,9 +218,7 @@ def test_unknown_config_key_fails(tmp_path):
 def test_rollouts_ahead_stop_before_evaluations_and_checkpoints():
   """`rollout.off_policy_steps=1`: a step followed by an evaluation, a checkpoint or the run's
   end starts nothing ahead (`train.drains`); the setting takes 0 or 1 and one process."""
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
-
+  from configs import mhqa
   from trace_jax.train import drains
 
   c = mhqa.get_config("smoke")

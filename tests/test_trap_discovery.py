@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from seed_stats import spearman, spearman_test
+from launch.seed_stats import spearman, spearman_test
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(

@@ -12,14 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from devices import run_on_devices
+from flax import nnx
 from test_batch import hand_tree, random_tree
+
 from trace_jax.models.predictor import PredictorHead
 from trace_jax.models.qwen3 import Qwen3, get_preset
-from trace_jax.rl.batch import (ADVANTAGES, build_sequences, build_tree_units, pack_batch,
-                                row_buckets)
+from trace_jax.rl.batch import (
+  ADVANTAGES,
+  build_sequences,
+  build_tree_units,
+  pack_batch,
+  row_buckets,
+)
 from trace_jax.rl.update import UpdateConfig, init_train_state, make_grad_fn, reference_logprobs
 
 
@@ -183,6 +188,7 @@ def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
   """The smoke config's first RL step, one sample, both layouts of the train loop
   (`training_units` + `pack_rows` + the run's jitted update): same loss, gradient norm, tokens."""
   from test_train_smoke import draw_outcomes, smoke_config
+
   from trace_jax import train
 
   c = smoke_config(tmp_path_factory, tmp_path / "run", rl__packing="tree")
@@ -206,13 +212,8 @@ def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
 
 
 def test_packing_options_are_checked():
-  import os
-  import sys
 
-  from test_train_smoke import ROOT
-  sys.path.append(os.path.join(ROOT, "configs"))
-  import mhqa
-
+  from configs import mhqa
   from trace_jax import train
 
   c = mhqa.get_config("tiny")

@@ -4,44 +4,57 @@ and the cached warm start. Everything expensive is cached on disk and reused whe
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
-import time
 
 import jax
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from trace_jax.checkpoint import Checkpointer
 from trace_jax.envs import prompts
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
-from trace_jax.parallel.distributed import (allgather_object, broadcast_arrays, broadcast_object,
-                                            put_global)
-from trace_jax.provenance import fingerprint, text_fingerprint, tree_fingerprint, world_fingerprint
+from trace_jax.parallel.distributed import allgather_object
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class Assets:
-  encode: object          # str -> list[int]
-  decode: object          # list[int] -> str
+  """What a task gives a run (`trace_jax.tasks.Task.load`).
+
+  Attributes:
+    encode: the tokenizer, text -> list of token ids (the sampler encodes observations with it).
+    decode: token ids -> text (the environment reads each generated turn as text).
+    bos_id: the id put before every prompt (None: none), as in the examples' `prompt_ids`.
+    eos_id: the id that ends a rollout when the policy writes it (None: none).
+    vocab_size: the tokenizer's vocabulary size; every id must be below it (the model's
+      embedding is made this large).
+    train, test: example dicts, each with `prompt_ids` (the prompt's tokens, `bos_id` first:
+      `make_example` builds one), `answers` (gold strings), `id`, and what the environment's
+      `reset` reads; `hops`, `source`, `groups` split held-out EM when present.
+    retriever: the search tool the default multi-hop environment calls (None for other tasks).
+    world: the synthetic world, when the task has one (its diagnostics read it).
+    env: the task's environment, a `trace_jax.envs.interface.ToolEnv` (None: the multi-hop search
+      environment over `retriever`).
+    reward_is_em: held-out accuracy is the environment's own reward of each greedy rollout (the
+      default: the task's reward is its measure of success); False: exact match of the answer
+      text against `answers`, as multi-hop QA reports it.
+  """
+
+  encode: object
+  decode: object
   bos_id: int | None
   eos_id: int | None
   vocab_size: int
-  train: list             # example dicts: prompt_ids, answers, question, id, hops, source
+  train: list
   test: list
-  retriever: object
-  world: object = None    # the synthetic world, when used
-  env: object = None      # the task's `ToolEnv` (default: `build_env`'s multi-hop env)
-  reward_is_em: bool = False  # held-out EM is the environment's reward (else exact match)
+  retriever: object = None
+  world: object = None
+  env: object = None
+  reward_is_em: bool = True
 
   def step_diagnostics(self, examples, trees) -> dict:
     """What the data source can say of a step's sampled trees beyond their rewards, logged with
@@ -78,8 +91,45 @@ def uses_real_data(c) -> bool:
   return str(c.variant).startswith(REAL_VARIANTS)
 
 
-def _example(encode, bos_id, ex_id, question, answers, prompt_text, hops=None, source="synthetic",
-             meta=None):
+# The lessons world's own fields (`envs.lessons_world`); the tool tasks read the expert rates too.
+LESSONS_FIELDS = ("n_relations", "n_wordings", "n_plain_relations", "one_lesson_per_question",
+                  "zipf_exponent", "expert_rate_lo", "expert_rate_hi", "expert_rate_spacing",
+                  "n_test", "balanced_test")
+REAL_FIELDS = ("data.train_path", "data.test_path", "data.format", "data.eval_size", "model.path",
+               "model.tokenizer_path")
+
+
+def unread_fields(c) -> list[str]:
+  """The run-config fields a run of `c` never reads (dotted names): a value given to one of them
+  would be ignored, so a launcher refuses it. E.g. `data.train_path` on a synthetic variant, the
+  retriever on a tool task, the synthetic world on real data."""
+  out = []
+  world = [f"world.{k}" for k in ("seed", "trap_rate", "kind") + LESSONS_FIELDS]
+  if uses_real_data(c):
+    out += world + [f"sft.{k}" for k in ("num_traces", "steps", "batch_rows", "row_len", "lr",
+                                         "warmup", "min_lr_ratio", "seed", "traces")]
+    out += ["model.hidden_size", "model.num_layers", "model.intermediate_size"]
+  else:
+    out += list(REAL_FIELDS)
+    if c.task in ("math", "fc"):  # the embedded tool tasks: no world of entities, no search
+      out += [f for f in world if f not in ("world.seed", "world.expert_rate_lo",
+                                            "world.expert_rate_hi")]
+      out += ["retriever.kind", "retriever.index_path", "retriever.url", "retriever.topk",
+              "data.train_hops"]
+    elif c.world.kind != "lessons":
+      out += [f"world.{k}" for k in LESSONS_FIELDS]
+  if c.retriever.kind != "http":
+    out += ["retriever.url"]
+  if c.retriever.kind != "bm25":
+    out += ["retriever.index_path"]
+  return sorted(set(out))
+
+
+def make_example(encode, bos_id, ex_id, question, answers, prompt_text, hops=None,
+                 source="synthetic", meta=None) -> dict:
+  """An example dict as the loop reads it: the prompt's token ids (`bos_id` first when not None)
+  under `prompt_ids`, the gold `answers`, what evaluation groups by (`hops`, `source`,
+  `meta`)."""
   ids = ([bos_id] if bos_id is not None else []) + list(encode(prompt_text))
   return dict(id=str(ex_id), question=question, answers=list(answers), prompt_ids=ids,
               hops=hops, source=source, meta=meta or {})
@@ -212,7 +262,7 @@ def select_hops(c, train: list) -> list:
   return kept
 
 
-def _default_trap_rate() -> float:
+def default_trap_rate() -> float:
   from trace_jax.envs.synthetic import SyntheticWorldConfig
   return SyntheticWorldConfig.trap_rate
 
@@ -228,7 +278,7 @@ def world_dir_name(c) -> str:
   if c.world.kind == "lessons":
     return _config_dir_name("lessons", lessons_world_config(c))
   rate = _trap_rate(c)
-  return f"world-seed{c.world.seed}" + ("" if rate == _default_trap_rate() else f"-trap{rate:g}")
+  return f"world-seed{c.world.seed}" + ("" if rate == default_trap_rate() else f"-trap{rate:g}")
 
 
 def _config_dir_name(name: str, cfg, generator: int = 1) -> str:
@@ -285,7 +335,7 @@ def seen_entities(world) -> set:
 
 
 def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> list[dict]:
-  """A synthetic world's questions of `split` as example dicts (`_example`). Test questions also
+  """A synthetic world's questions of `split` as example dicts (`make_example`). Test questions also
   say whether their entity is one the warm start learned to write (`entity_seen`): it appears in
   some train question's chain. The word-level tokenizer gives each name its own token, so a name
   never written in training is hard to copy, and held-out EM splits on it (`evaluate` reports
@@ -293,8 +343,8 @@ def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> lis
   seen = seen_entities(world) if split == "test" else None
   out = []
   for e in getattr(world, split):
-    ex = _example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question), hops=e.hops,
-                  meta=e.meta)
+    ex = make_example(encode, bos_id, e.id, e.question, e.answers, prompt_fn(e.question),
+                      hops=e.hops, meta=e.meta)
     if world.lessons:  # the lessons a question needs: held-out EM is reported per lesson
       ex["groups"] = sorted(set(e.meta["relations"]) & set(world.lessons))
     out.append(ex if seen is None else dict(ex, entity_seen=e.meta["chain"][0] in seen))
@@ -321,7 +371,7 @@ def load_world_assets(c) -> Assets:
                 vocab_size=tok.get_vocab_size(), train=select_hops(c, examples("train")),
                 test=examples("test"),
                 retriever=served if served is not None else build_retriever(c, world),
-                world=world)
+                world=world, reward_is_em=False)
 
 
 def load_assets(c) -> Assets:
@@ -353,7 +403,7 @@ def tool_task_assets(c) -> Assets:
   bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
 
   def examples(split):
-    return [dict(_example(encode, bos, p.id, spec.question(p), p.answers, spec.prompt(p),
+    return [dict(make_example(encode, bos, p.id, spec.question(p), p.answers, spec.prompt(p),
                           source=spec.name, meta={"template": p.template}),
                  groups=[p.template], **spec.fields(p)) for p in getattr(world, split)]
   return Assets(encode=encode, decode=decode, bos_id=bos, eos_id=eos,
@@ -375,12 +425,13 @@ def load_real_assets(c) -> Assets:
   decode = lambda ids: tok.decode(list(ids))  # noqa: E731
 
   def mk(ex):
-    return _example(encode, None, ex.id, ex.question, ex.answers,
+    return make_example(encode, None, ex.id, ex.question, ex.answers,
                     prompts.build_search_r1_prompt(ex.question, tok), source=ex.source,
                     meta=ex.meta)
   train, test = select_hops(c, [mk(e) for e in raw_train]), [mk(e) for e in raw_test]
   return Assets(encode=encode, decode=decode, bos_id=None, eos_id=tok.eos_token_id,
-                vocab_size=len(tok), train=train, test=test, retriever=retriever)
+                vocab_size=len(tok), train=train, test=test, retriever=retriever,
+                reward_is_em=False)
 
 
 def load_examples(c, field: str) -> list:
@@ -415,174 +466,3 @@ def sft_seed(c) -> int:
   seed when that is negative. A fixed `sft.seed` lets RL seeds share one warm start."""
   s = c.sft.seed
   return int(c.seed if s < 0 else s)
-
-
-# Where the cache lives is not what it holds.
-_NOT_IN_WARM_START_KEY = ("max_obs_bytes", "predictor_features", "cache_dir")
-# Settings added later that do change the expert traces: in the key only away from the default they
-# were added with, so the caches made before them stay valid.
-_IN_WARM_START_KEY_OFF_DEFAULT = {"trap_rate": _default_trap_rate}
-
-
-def _key_section(section) -> dict:
-  out = {}
-  for k, v in dataclasses.asdict(section).items():
-    default = _IN_WARM_START_KEY_OFF_DEFAULT.get(k)
-    if k not in _NOT_IN_WARM_START_KEY and not (default is not None and v == default()):
-      out[k] = v
-  return out
-
-
-def warm_start_key(c, data_sha1: str | None = None) -> str:
-  """Cache key of the warm start: everything that changes it, the effective seed included.
-  `data_sha1` (`warm_start_sample_sha1`) ties it to the data's content, so a change to the
-  expert's traces or to the tokenizer's words misses the cache instead of restoring parameters
-  trained on other data (or with another vocabulary)."""
-  sft = {k: v for k, v in dataclasses.asdict(c.sft).items() if k != "seed"}
-  env, model, world = _key_section(c.env), _key_section(c.model), _key_section(c.world)
-  if c.world.kind != "lessons":  # the lessons world's fields shape nothing else
-    world = {k: v for k, v in world.items() if k in ("seed", "trap_rate", "kind")}
-  blob = json.dumps({"world": world, "model": model, "sft": sft, "task": c.task,
-                     "seed": sft_seed(c), "env": env, "topk": c.retriever.topk,
-                     "data": data_sha1, "v": 5}, sort_keys=True)
-  return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-
-@dataclasses.dataclass
-class _Record:
-  """A warm-start trace as [(text, is_generated)] segments and whether it is right (the tool
-  tasks'; the search worlds' records are `SFTRecord`s)."""
-  segs: list
-  correct: bool
-
-  def segments(self) -> list:
-    return self.segs
-
-
-def warm_start_data(c, assets: Assets, num_traces: int | None = None,
-                    examples: list | None = None) -> tuple[list, dict]:
-  """The warm start's training data: `num_traces` (default `sft.num_traces`) expert (or with
-  `sft.traces=oracle`, `oracle_world`'s) traces of the world's train split (or of `examples`,
-  world questions) and their packed rows (`sft.pack_sequences`, `sft.target_positions`).
-  Bit-identical on every machine for a given config (`data_fingerprints`)."""
-  from trace_jax.envs.synthetic import make_sft_dataset, oracle_world
-  from trace_jax.sft import encode_segments, pack_sequences, target_positions
-
-  seed = sft_seed(c)
-  n = c.sft.num_traces if num_traces is None else num_traces
-  if c.task != "mhqa":
-    from trace_jax.envs.tool_tasks import EMBEDDED_TASKS
-
-    expert = EMBEDDED_TASKS[c.task].expert
-    rng = np.random.default_rng(seed)
-    pool = assets.world.train if examples is None else examples
-    recs = [_Record(*expert(assets.world, pool[int(i)], rng, oracle=c.sft.traces == "oracle"))
-            for i in rng.integers(len(pool), size=n)]
-  else:
-    world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
-    recs = make_sft_dataset(world, n, np.random.default_rng(seed), examples=examples)
-  seqs = [encode_segments(assets.encode, r.segments(), assets.bos_id) for r in recs]
-  row_len = c.sft.row_len
-  packed = target_positions(pack_sequences(seqs, row_len, np.random.default_rng(seed)),
-                            row_len // 2)
-  return recs, packed
-
-
-def warm_start_sample_sha1(c, assets: Assets, n: int = 64) -> str:
-  """Fingerprint of the first `n` warm-start traces as packed token rows: changes with the
-  expert's code, the world and the tokenizer's vocabulary; a fraction of a second to compute."""
-  _, packed = warm_start_data(c, assets, num_traces=n)
-  return fingerprint(*_packed_arrays(packed), np.asarray([assets.vocab_size]))
-
-
-def _packed_arrays(packed: dict) -> list:
-  """The array fields of packed warm-start rows, in name order (what their fingerprints hash)."""
-  return [packed[k] for k in sorted(packed) if isinstance(packed[k], np.ndarray)]
-
-
-def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
-  """Fingerprints of what a synthetic run is built from: the world (`world_fingerprint`), its
-  expert traces (their texts) and the packed warm-start rows (`fingerprint` of tokens and loss
-  mask), with the row count. None of it may depend on the machine; `tests/test_provenance.py`
-  holds committed values."""
-  recs, packed = warm_start_data(c, assets, num_traces)
-  if hasattr(assets.world, "corpus"):
-    world = world_fingerprint(assets.world)
-  else:  # a tool task's problems, whole (their states and numbers as well as their texts)
-    world = text_fingerprint(json.dumps(dataclasses.asdict(p), sort_keys=True)
-                             for p in assets.world.train + assets.world.test)
-  return dict(world=world,
-              traces=text_fingerprint(t for r in recs for seg in r.segments() for t in
-                                      (seg[0], str(int(seg[1])))),
-              sft_rows=int(packed["tokens"].shape[0]),
-              sft_data=fingerprint(*_packed_arrays(packed)))
-
-
-@contextlib.contextmanager
-def build_lock(path: str):
-  """An exclusive lock on the file `path` (made if absent) for the `with` block: processes on
-  one machine that would build the same cached thing take turns, and the ones that wait find it
-  built. Blocks until the lock is free."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path, "a") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      log.info("waiting for another process holding %s", path)
-      fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def warm_start(c, assets: Assets, graphdef, params, log_fn=None):
-  """Fine-tunes on the world's expert traces, or restores the cached result. Returns (params,
-  info). Independent runs on one machine that need the same warm start build it once: the
-  first holds a lock on it while it trains, the others wait and restore it. (A multi-process
-  run needs no lock: its process 0 decides for all.)"""
-  key = warm_start_key(c, warm_start_sample_sha1(c, assets))
-  d = os.path.abspath(os.path.join(c.world.cache_dir, f"warmstart-{key}"))
-  multi = jax.process_count() > 1
-  with contextlib.nullcontext() if multi else build_lock(d + ".lock"):
-    return _restore_or_train(c, assets, graphdef, params, d, multi, log_fn)
-
-
-def _restore_or_train(c, assets, graphdef, params, d, multi, log_fn):
-  from trace_jax.sft import SFTConfig, sft_train
-
-  ck = Checkpointer(d, max_to_keep=1)
-  # Several processes: the cached params live on every device, replicated (orbax writes them
-  # collectively), and every process comes back with process 0's values on its own device.
-  everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), P()) if multi else None
-  latest = ck.latest_step()
-  if multi:
-    latest = broadcast_object(latest)  # process 0's view decides for all
-  if latest is not None:
-    if multi:
-      target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
-                            params)
-      restored, meta = ck.restore(target)
-      params = jax.tree.map(lambda x: x.addressable_data(0), restored)
-    else:
-      params, meta = ck.restore(params)
-    log.info("warm start restored from %s", d)
-    return params, dict(meta, cached=True, path=d, params_sha1=tree_fingerprint(params))
-  t0 = time.time()
-  seed = sft_seed(c)
-  recs, packed = warm_start_data(c, assets)
-  cfg = SFTConfig(steps=c.sft.steps, batch_rows=c.sft.batch_rows, lr=c.sft.lr,
-                  warmup=c.sft.warmup, min_lr_ratio=c.sft.min_lr_ratio)
-  params, hist = sft_train(graphdef, params, packed, cfg, seed=seed, log=log_fn)
-  info = dict(steps=c.sft.steps, traces=len(recs),
-              expert_success=float(np.mean([r.correct if isinstance(r, _Record)
-                                            else r.trace.correct for r in recs])),
-              rows=int(packed["tokens"].shape[0]), truncated=int(packed["truncated"]),
-              seconds=time.time() - t0, final=hist[-1] if hist else {},
-              data_sha1=fingerprint(packed["tokens"]))
-  if multi:  # the processes trained alike; process 0's result is the one every process keeps
-    params = broadcast_arrays(params)
-    ck.save(c.sft.steps, jax.tree.map(lambda x: put_global(x, everywhere), params), info)
-  else:
-    ck.save(c.sft.steps, params, info)
-  return params, dict(info, cached=False, path=d, params_sha1=tree_fingerprint(params))

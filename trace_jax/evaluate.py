@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from trace_jax.envs.checks import check_examples
 from trace_jax.envs.react import parse_action
 from trace_jax.envs.scoring import exact_match, f1
 from trace_jax.sampling.engine import PromptRequest, SamplerEngine
@@ -44,7 +45,10 @@ def evaluate(engine: SamplerEngine, examples: list[dict], batch: int = 256,
   EM of each half, when the examples say), em_by_group (each label: EM over the examples that
   carry it), mean_turns, generated_tokens; with `keep_trees`,
   also `trees` (one per example, their pages released: for inspecting why rollouts fail).
+  An example without them raises ValueError naming it (`envs.checks.check_examples`) before any
+  sampling.
   """
+  check_examples(examples, None, "evaluation")
   ems, f1s, turns, kept = [], [], [], []
   by_hops, by_src, f1_src, by_seen, by_group = (collections.defaultdict(list) for _ in range(5))
   led0 = engine.ledger.generated_tokens

@@ -40,10 +40,8 @@ import sys
 import numpy as np
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_records, read_summary  # noqa: E402
+from launch.campaign import archived_records, read_summary  # noqa: E402
 
 
 def eval_curve(records: list[dict]) -> list[dict]:
@@ -149,7 +147,7 @@ def hierarchical_bootstrap(arm: dict, ref: dict, n: int = 10000, seed: int = 0,
   wss = sorted(set(arm) & set(ref))
   if not wss:
     return dict(diff=float("nan"), lo=float("nan"), hi=float("nan"), n_warm_starts=0)
-  mean_of = lambda d: float(np.mean([np.mean(d[w]) for w in wss]))  # noqa: E731
+  mean_of = lambda d: float(np.mean([np.mean(d[w]) for w in wss]))
   reps = np.empty(n)
   for i in range(n):
     pick = [wss[j] for j in rng.integers(len(wss), size=len(wss))]
@@ -290,7 +288,7 @@ def progress(runs: list[dict]) -> str:
   it there (the `--complete` rule, one setting)."""
   finished = [r for r in runs if r.get("curve", True)]
   arms = sorted({r["arm"] for r in runs})
-  key = lambda r: (r.get("seed"), r.get("warm_start_seed"), r.get("world_seed"))  # noqa: E731
+  key = lambda r: (r.get("seed"), r.get("warm_start_seed"), r.get("world_seed"))
   done = {}
   for r in finished:
     done.setdefault(key(r), set()).add(r["arm"])
@@ -374,7 +372,7 @@ def table(runs: list[dict], reference: str = RULE_REFERENCE, boot: int = 10000,
         agg[k] = float(np.mean(v)) if v else None
         agg[k + "_std"] = float(np.std(v, ddof=1)) if len(v) > 1 else None
       if ref and arm != ref[0]["arm"]:
-        group = lambda xs: _by_ws(xs, "em_at_equal_tokens")  # noqa: E731
+        group = lambda xs: _by_ws(xs, "em_at_equal_tokens")
         agg["vs_reference"] = hierarchical_bootstrap(group(ars), group(ref), n=boot,
                                                      level=level)
         if min(len(ars), len(ref)) < 3:  # a bootstrap of one or two runs a side is no interval
@@ -501,7 +499,7 @@ def markdown(result: dict) -> str:
            "EM over run | lessons learned half / all | fact-verb lessons half / all | "
            "lessons at half vs reference | effective ratio | s / step | s to reference's final "
            "EM | generated tokens |", "|" + "---|" * 14]
-  f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+  f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
   for a in result["arms"]:
     vs = a.get("vs_reference")
     vs_s = "-" if not vs else f"{vs['diff']:+.3f} " + (
@@ -545,7 +543,7 @@ def markdown(result: dict) -> str:
               "p̂ selected - left out | steps stage 1 split evenly | generated tokens | worlds "
               "ahead | gain near 0.5 (worlds) | gain elsewhere (worlds) | corr(gain, reference's "
               "success) |", "|" + "---|" * 18]
-    g = lambda v: "-" if v is None else f"{v:+.4f}"  # noqa: E731
+    g = lambda v: "-" if v is None else f"{v:+.4f}"
     for o in result["over_worlds"]:
       lines.append(
           f"| {o['setting']} | {o['arm']} | {o['worlds']} | {f(o['em_at_equal_tokens'])} | "
@@ -654,9 +652,7 @@ def plots(runs: list[dict], result: dict, out_dir: str, lessons: dict | None = N
 
 def world_lessons(world_seed: int, overrides: list[str]) -> dict:
   """The lessons (weight, expert rate) of the world a run trained on (regenerated: seconds)."""
-  sys.path.append(os.path.join(_ROOT, "configs"))
-  import mhqa
-
+  from configs import mhqa
   from trace_jax.assets import lessons_world_config
   from trace_jax.envs.lessons_world import generate_lessons_world
 

@@ -45,9 +45,8 @@ import numpy as np
 from scipy.stats import chi2
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))
 
-from campaign import archived_records, read_summary  # noqa: E402
+from launch.campaign import archived_records, read_summary  # noqa: E402
 
 Z_TEST, Z_POWER = NormalDist().inv_cdf(0.975), NormalDist().inv_cdf(0.8)  # two-sided 5%, 80%
 DESIGNS = [(w, c, n) for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) for c in (1, 2) for n in (1, 2, 3, 5)]

@@ -35,16 +35,12 @@ prompts of one lesson together, apart from whether a small head can be fit to th
 import json
 import math
 import os
-import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-
 
 
 def mixed_prob(k, n, m):
@@ -330,13 +326,12 @@ def main(argv):
   del argv
   import dataclasses
 
-  import convert
-
+  from configs import runs
   from trace_jax import train as T
   from trace_jax.checkpoint import Checkpointer, restore_target, run_checkpoint_step
   from trace_jax.config import TrainConfig
 
-  d = convert.load_run_config_dict(_RUN.value)
+  d = runs.load_run_config_dict(_RUN.value)
   d["workdir"] = _WORKDIR.value
   c = TrainConfig.from_dict(d)
   if _GROUP.value < c.rollout.max_per_prompt:

@@ -22,9 +22,8 @@ import shutil
 import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))
 
-from campaign import archive_dir, read_summary, write_summary  # noqa: E402
+from launch.campaign import archive_dir, read_summary, write_summary  # noqa: E402
 
 MOVED = 3
 

@@ -16,8 +16,6 @@ import sys
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
 _RUNS = flags.DEFINE_string("runs", "runs/exp", "parent directory of finished run workdirs")
 _OUT = flags.DEFINE_string("out", "projects/mhqa/results/ablations_tiny", "output stem (.json)")
@@ -66,7 +64,7 @@ def main(argv):
   with open(_OUT.value + ".json", "w") as f:
     json.dump(dict(command="python projects/mhqa/collect_runs.py " + " ".join(sys.argv[1:]),
                    varied=differ, runs=table), f, indent=1)
-  fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+  fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
   cols = ["accuracy_final", "effective_ratio", "stage1_mixed", "stage1_predicted_mixed",
           "generated_tokens", "root_auc", "prefix_auc"]
   print("| run | method | " + " | ".join(cols) + " |")

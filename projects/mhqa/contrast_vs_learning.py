@@ -46,11 +46,9 @@ import numpy as np
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_records, unique_runs  # noqa: E402
-from seed_stats import is_finite, spearman_test  # noqa: E402
+from launch.campaign import archived_records, unique_runs  # noqa: E402
+from launch.seed_stats import is_finite, spearman_test  # noqa: E402
 
 TARGET = "em_curve_mean"
 FACTORS = (("mixed_groups", "mixed groups / step, whole run"),

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_records  # noqa: E402
-from seed_stats import fmt, fmt_welch, stats, welch  # noqa: E402
+from launch.campaign import archived_records  # noqa: E402
+from launch.seed_stats import fmt, fmt_welch, stats, welch  # noqa: E402
 
 _RES = "projects/mhqa/results"
 # (label, directory, method, regime, budget); the first arm of a (regime, budget) is its baseline.

@@ -17,13 +17,10 @@ import collections
 import glob
 import json
 import os
-import sys
 
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
 from trace_jax.diagnostics import FAILURE_KINDS  # noqa: E402
 
@@ -76,7 +73,7 @@ def markdown(probes) -> str:
               "|---|---|---|---|---|"]
     for n in names:
       b = probes[n]["greedy"]["by_seen"]
-      get = lambda k, f: b[k]["outcomes"][f] if k in b else float("nan")  # noqa: E731
+      get = lambda k, f: b[k]["outcomes"][f] if k in b else float("nan")
       lines.append(f"| {n} | {get('seen', 'success'):.3f} | {get('unseen', 'success'):.3f} | "
                    f"{get('unseen', 'wrong_entity'):.3f} | "
                    f"{b.get('seen', {}).get('questions', 0)} / "

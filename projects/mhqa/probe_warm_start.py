@@ -30,15 +30,12 @@ import sys
 import time
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from seed_stats import stats as _stats  # noqa: E402
+from launch.seed_stats import stats as _stats  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "mhqa.py"),
                                           "configs/mhqa.py[:variant]")
@@ -62,29 +59,30 @@ def main(argv):
   from flax import nnx
 
   from trace_jax import assets as assets_lib
+  from trace_jax.warm_start import warm_start
+  from trace_jax.allocation.predictor_fit import PredictorFitter, node_examples
+  from trace_jax.allocation.predictor_metrics import predictor_report
+  from trace_jax.config import sampler_config
   from trace_jax.diagnostics import classify_failure, failure_breakdown, prefix_signal
+  from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.envs.env import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
   from trace_jax.rl.batch import tree_metrics
-  from trace_jax.allocation.predictor_fit import PredictorFitter, node_examples
-  from trace_jax.allocation.predictor_metrics import predictor_report
   from trace_jax.rl.update import UpdateConfig, make_optimizers
-  from trace_jax.envs.adapter import TreeEnvAdapter
   from trace_jax.sampling.engine import PromptRequest, SamplerEngine
-  from trace_jax.config import sampler_config
 
   logging.getLogger("bm25s").setLevel(logging.WARNING)
   absl_logging.set_verbosity(absl_logging.WARNING)
-  import convert  # configs/ is on sys.path
+  from configs import convert, runs
 
   if _WORKDIR.value:  # the run's own config (world, model, sampling), as it trained
-    c = convert.load_run_config(_WORKDIR.value)
+    c = runs.load_run_config(_WORKDIR.value)
   else:
     c = convert.to_train_config(_CONFIG.value)
   assets = assets_lib.load_world_assets(c)
   graphdef, params = nnx.split(assets_lib.build_model(c, assets.vocab_size))
-  params, ws = assets_lib.warm_start(c, assets, graphdef, params)
+  params, ws = warm_start(c, assets, graphdef, params)
   policy = None
   if _WORKDIR.value:  # a training run's policy, restored as `launch/eval.py` restores it
     from trace_jax.checkpoint import restore_run_policy, run_checkpoint_step

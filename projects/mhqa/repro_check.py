@@ -27,10 +27,8 @@ import sys
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_metrics, archived_records, summary_rows  # noqa: E402
+from launch.campaign import archived_metrics, archived_records, summary_rows  # noqa: E402
 
 IGNORED = ("seconds", "latency", "wall")
 SUMMARY_KEYS = ("accuracy_final", "effective_ratio", "generated_tokens", "rollouts",
@@ -53,7 +51,7 @@ def by_step(recs: list[dict]) -> dict[int, dict]:
 def _diff(a, b) -> float | None:
   """|a - b| for two numbers (0 when equal, inf when one is NaN and the other not); None when the
   values are not both numbers (compared for equality instead)."""
-  num = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+  num = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
   if not (num(a) and num(b)):
     return None
   if a != a or b != b:  # NaN

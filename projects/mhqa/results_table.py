@@ -29,11 +29,9 @@ import numpy as np
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_records, summary_rows  # noqa: E402
-from seed_stats import fmt, fmt_welch, stats, wasted_ratio, welch  # noqa: E402
+from launch.campaign import archived_records, summary_rows  # noqa: E402
+from launch.seed_stats import fmt, fmt_welch, stats, wasted_ratio, welch  # noqa: E402
 
 RUN_KEYS = ("accuracy_final", "em_curve_mean", "effective_ratio", "mixed_groups",
             "generated_tokens", "slice_auc", "em_half_gain_step", "sampled_trap_share")

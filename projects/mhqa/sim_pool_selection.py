@@ -15,8 +15,6 @@ import os
 import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
 from absl import app, flags  # noqa: E402
 

@@ -18,10 +18,8 @@ Writes projects/mhqa/results/root_objectives_sim.json and .png.
 
 import json
 import os
-import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, _ROOT)
 
 from absl import app, flags  # noqa: E402
 

@@ -25,11 +25,9 @@ import numpy as np
 from absl import app, flags
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, os.path.join(_ROOT, "launch"))  # campaign and seed_stats, the campaign tools
-sys.path.insert(0, _ROOT)
 
-from campaign import archived_records, unique_runs  # noqa: E402
-from seed_stats import mean_of, spearman  # noqa: E402
+from launch.campaign import archived_records, unique_runs  # noqa: E402
+from launch.seed_stats import mean_of, spearman  # noqa: E402
 
 
 def early_trap_stats(recs: list[dict], first_steps: int) -> dict | None:

@@ -12,11 +12,8 @@ commit's warm start).
 """
 
 import os
-import sys
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-sys.path.insert(0, _ROOT)
-sys.path.append(os.path.join(_ROOT, "configs"))
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -33,15 +30,14 @@ _STEP = flags.DEFINE_integer("step", None, "the checkpoint step of --run")
 
 def main(argv):
   del argv
-  import convert
-
+  from configs import convert, runs
   from trace_jax import train as T
   from trace_jax.evaluate import evaluate
 
   if _RUN.value:  # the run's own config, in a scratch workdir (the run's is only read)
     from trace_jax.config import TrainConfig
 
-    d = convert.load_run_config_dict(_RUN.value)
+    d = runs.load_run_config_dict(_RUN.value)
     d["workdir"] = _WORKDIR.value
     cfg = TrainConfig.from_dict(d)
   else:

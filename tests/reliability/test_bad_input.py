@@ -5,20 +5,16 @@ anything is built or compiled), `load_qa` and the asset loaders."""
 import dataclasses
 import json
 import os
-import sys
 
 import pytest
 
+from configs import convert, mhqa
 from trace_jax import assets as assets_lib
 from trace_jax.data import formats
-from trace_jax.data.formats import QAFormatError
-from trace_jax.data.formats import load_qa
+from trace_jax.data.formats import QAFormatError, load_qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(os.path.join(ROOT, "configs"))
 
-import convert  # noqa: E402
-import mhqa  # noqa: E402
 
 from trace_jax.allocation import strategies  # noqa: E402
 
@@ -106,15 +102,16 @@ def test_zero_steps_and_documented_edge_values_are_allowed():
   assert "rl.steps=0" in convert.validate.__doc__ and "top_k=1" in convert.validate.__doc__
 
 
-def test_unknown_and_missing_fields_are_named():
+def test_unknown_fields_are_named_and_missing_ones_take_their_defaults():
   c = mhqa.get_config("smoke")
   c.rl.lerning_rate = 1e-3  # a typo a ConfigDict would carry silently
   with pytest.raises(ValueError, match=r"config.rl: unknown field\(s\) \['lerning_rate'\]"):
     mhqa.validate(c)
   c = mhqa.get_config("smoke")
-  del c.rl["lr"]
-  with pytest.raises(ValueError, match=r"config.rl: missing field\(s\) \['lr'\]"):
-    mhqa.validate(c)
+  c.rl.lr = 1e-5
+  del c.rl["lr"], c.rollout["temperature"]
+  tc = mhqa.validate(c)
+  assert (tc.rl.lr, tc.rollout.temperature) == (2e-4, 0.8)  # the definitions' defaults
 
 
 @pytest.mark.parametrize("section,field,value,message", [
@@ -272,3 +269,26 @@ def test_synthetic_world_without_test_questions_is_an_error_not_nan(tmp_path):
   world.save(os.path.join(str(tmp_path), "world-seed2"))
   with pytest.raises(ValueError, match="8 train and 0 test questions"):
     assets_lib.load_world_assets(c)
+
+
+def test_a_value_the_variant_does_not_read_is_refused():
+  """`--config.data.train_path=missing.parquet` on a synthetic variant used to be ignored (the run
+  trained on the synthetic world and exited 0); a value no part of the run reads is refused."""
+  from configs import fc, runs, tool_math
+
+  for v in ("tiny", "smoke", "lessons", "real_smoke", "qwen3_8b", "qwen3_14b"):
+    runs.check_overrides(mhqa.get_config(v))  # every shipped variant as it is
+  for mod in (tool_math, fc):
+    runs.check_overrides(mod.get_config("smoke"))
+  for config, field, value in [(mhqa.get_config("smoke"), "data.train_path", "missing.parquet"),
+                               (mhqa.get_config("tiny"), "model.path", "/ckpt/Qwen3-8B"),
+                               (mhqa.get_config("tiny"), "world.n_relations", 8),
+                               (mhqa.get_config("qwen3_8b"), "world.trap_rate", 0.9),
+                               (tool_math.get_config("smoke"), "retriever.topk", 5)]:
+    sec, name = field.split(".")
+    config[sec][name] = value
+    with pytest.raises(ValueError, match=f"does not read --config.{field}="):
+      runs.check_overrides(config)
+  c = mhqa.get_config("lessons")
+  c.world.n_relations = 8  # the lessons world reads it
+  runs.check_overrides(c)

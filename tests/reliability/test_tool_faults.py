@@ -12,19 +12,21 @@ import time
 
 import pytest
 
+from configs import mhqa, runs
+from trace_jax.warm_start import warm_start_key
 from trace_jax import assets as assets_lib
 from trace_jax.envs import react
 from trace_jax.envs.env import MultiHopEnv
-from trace_jax.envs.http_retriever import HTTPRetriever
-from trace_jax.envs.http_retriever import RetrieverError
-from trace_jax.envs.http_retriever import RetrieverUnavailableError
-from trace_jax.envs.http_retriever import serve
+from trace_jax.envs.http_retriever import (
+  HTTPRetriever,
+  RetrieverError,
+  RetrieverUnavailableError,
+  serve,
+)
 from trace_jax.envs.types import Doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(os.path.join(ROOT, "configs"))
 
-import mhqa  # noqa: E402
 
 DOCS = [Doc(str(i), f"T{i}", f"passage {i} about paris") for i in range(60)]
 
@@ -92,7 +94,7 @@ class _RawServer:
             return
           time.sleep(trickle_s)
 
-      do_GET = do_POST = _answer  # noqa: N815
+      do_GET = do_POST = _answer
 
     self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     self.httpd.daemon_threads = True
@@ -273,12 +275,12 @@ def test_byte_cap_is_fair_and_utf8_safe():
 
 
 def test_token_space_truncation_keeps_the_closing_tag_under_the_policy_tokenizer():
-  from trace_jax.envs.synthetic_world import SyntheticWorldConfig, generate_world
   from trace_jax.envs.synthetic import build_tokenizer
+  from trace_jax.envs.synthetic_world import SyntheticWorldConfig, generate_world
 
   world = generate_world(SyntheticWorldConfig(seed=2, n_entities=120, n_train=8, n_test=4))
   tok = build_tokenizer(world)
-  encode = lambda s: tok.encode(s).ids  # noqa: E731
+  encode = lambda s: tok.encode(s).ids
   close = encode(react.INFO_CLOSE)
   env = MultiHopEnv(world.retriever(), topk=3, max_obs_tokens=20, encode=encode)
   queries = [ex.question for ex in world.train[:6]]
@@ -381,8 +383,7 @@ def test_health_check_passes_and_rejects_an_unhealthy_answer():
 
 
 def test_launcher_has_request_caps():
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import retrieval_server
+  from launch import retrieval_server
 
   args = retrieval_server.parse_args(["--corpus", "x.jsonl", "--max_queries", "7",
                                       "--max_response_bytes", "4096", "--max_body_bytes", "2048"])
@@ -409,12 +410,11 @@ def test_training_with_a_dead_retriever_url_exits_nonzero_in_seconds(tmp_path):
 def test_new_tool_settings_keep_cached_warm_starts_valid(tmp_path):
   # A run's config without the observation byte cap (as before it existed) has the same warm-start
   # key, and so do other cap and retriever settings: none of them changes the expert traces.
-  import convert
 
   from trace_jax.config import TrainConfig
 
   def key_of(c):
-    return assets_lib.warm_start_key(TrainConfig.from_dict(c.to_dict()))
+    return warm_start_key(TrainConfig.from_dict(c.to_dict()))
 
   for variant in ("smoke", "tiny"):
     c = mhqa.get_config(variant)
@@ -422,7 +422,7 @@ def test_new_tool_settings_keep_cached_warm_starts_valid(tmp_path):
     old = c.to_dict()
     del old["env"]["max_obs_bytes"]
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert assets_lib.warm_start_key(convert.load_run_config(str(tmp_path))) == key
+    assert warm_start_key(runs.load_run_config(str(tmp_path))) == key
     c.env.max_obs_bytes, c.retriever.timeout_s, c.retriever.retries = 0, 1.0, 0
     assert key_of(c) == key
     c.env.max_turns += 1  # a setting that does change the traces still changes the key

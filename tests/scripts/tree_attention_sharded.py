@@ -5,18 +5,15 @@ data shard, with global page and slot ids; compares against the single-device re
 """
 
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_tree_attention import make_tree
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_tree_attention import make_tree  # noqa: E402
-
-from trace_jax.kernels import tree_attention_reference, tree_attention_sharded  # noqa: E402
-from trace_jax.parallel import make_mesh  # noqa: E402
+from trace_jax.kernels import tree_attention_reference, tree_attention_sharded
+from trace_jax.parallel import make_mesh
 
 
 def global_args():

@@ -8,22 +8,18 @@ ancestor mask and predecessor gather under the model's tensor-parallel layout.
 """
 
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from test_batch import random_tree
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from test_batch import random_tree  # noqa: E402
-from trace_jax.models.predictor import PredictorHead  # noqa: E402
-from trace_jax.models.qwen3 import Qwen3, get_preset  # noqa: E402
-from trace_jax.parallel import make_mesh, shard_batch, shard_state  # noqa: E402
-from trace_jax.rl import update as U  # noqa: E402
-from trace_jax.rl.batch import build_sequences, build_tree_units, pack_batch  # noqa: E402
+from trace_jax.models.predictor import PredictorHead
+from trace_jax.models.qwen3 import Qwen3, get_preset
+from trace_jax.parallel import make_mesh, shard_batch, shard_state
+from trace_jax.rl import update as U
+from trace_jax.rl.batch import build_sequences, build_tree_units, pack_batch
 
 
 def main():

@@ -17,59 +17,43 @@ from typing import Callable, Sequence
 import numpy as np
 
 from trace_jax.allocation import allocators, predictor_metrics, strategies
-from trace_jax.sampling.engine import ForkRequest, PromptRequest, SamplerEngine
+from trace_jax.allocation.stage2 import Stage1View, Stage2Decisions
+from trace_jax.config import RolloutSection, TrainConfig
+from trace_jax.sampling.engine import PromptRequest, SamplerEngine
 from trace_jax.sampling.tree import Tree
 
 
+_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
 @dataclasses.dataclass(frozen=True)
-class DriverConfig:
-  """What the driver and the strategies read; the fields mean what the run config's `rollout`
-  section says of them (`configs/mhqa.py`). `from_rollout` builds one from that section."""
-  method: str = "trace_tree"
-  root_budget: int = 96
-  prefix_budget: int = 32
-  min_per_prompt: int = 2
-  max_per_prompt: int = 12
-  prompts_per_step: int = 0   # prompts given rollouts per step (0 = every prompt of the pool)
-  candidate_prompts: int = 0  # predicted roots: pool scored by p̂ (> prompts_per_step = a pool)
-  max_per_anchor: int = 4
-  budget_unit: str = "rollouts"   # rollouts | tokens (see `strategies.base.prefix_budget`)
-  cost_aware: bool = True         # tokens: rank anchors by gain per expected token (else by gain)
-  tree_lambda: float = 0.01
-  blend_prior: float = 0.0        # per-anchor blend with its own outcome (superseded by the below)
-  anchor_posterior: bool = True   # q from a Beta posterior of the tree's stage-1 counts and p̂
-  anchor_prior_strength: float = 4.0  # s of that posterior's prior Beta(s p̂(root), s(1 - p̂(root)))
-  root_anchors: bool = True       # predicted stage 2: the root of an unmixed tree is an anchor
-  explore_prompts: int = 0        # predicted roots: pool prompts drawn at random, read as p̂ = 0.5
-  hard_prompts: int = 0           # predicted roots: the pool's lowest-p̂ prompts, read as p̂ = 0.5
-  metric_slice: int = 8           # predicted roots: random pool prompts measured per step (0 = off)
-  metric_rollouts: int = 2        # rollouts per measured prompt (outside the budget, not trained)
-  dapo_oversample: float = 1.5
-  arpo_entropy_top: float = 0.25
-  calibrate: str = "none"         # none | platt: stage 1 uses p̂ recalibrated on the random slice's
-  calibrate_window: int = 8       # outcomes of the last this many steps (needs metric_slice > 0),
-  calibrate_prior: float = 10.0   # with the identity map worth this many pairs
-  stage2: str = "batch"           # batch | stream (per tree as its stage 1 ends; rollouts budget)
-  stage2_deadline: float = 0.0    # stream: once at most this share of the stage-1 trees still
-  #                                 runs, the group finishing spends all the budget left (0: the
-  #                                 last group does), so no continuation starts in stage 1's tail
-  root_objective: str = "paper"   # paper | posterior | discovery (`allocators.root_value_table`)
-  root_concentration: float = 8.0  # κ of p ~ Beta(κ p̂, κ (1 - p̂)) without a head ensemble
-  discovery_beta: float = 0.5     # discovery: weight of the information gain (nats)
-  anchors: str = "all"            # predicted stage 2: all | before_tool_call
-  count_slice: bool = False       # the random slice's cost enters the ledger (it steers the run:
-  #                                 Platt calibration, or the head fit on its trees)
-  binned_bins: int = 8            # root_objective=binned: quantile bins of p̂ ...
-  binned_window: int = 8          # ... over the stage-1 trees of the last this many steps
+class DriverConfig(RolloutSection):
+  """What the driver and the strategies read: the run config's rollout section (every field, its
+  default and its doc are `trace_jax.config.RolloutSection`'s, defined once there) plus the
+  method and whether the random slice counts in the ledger. `from_rollout` builds one from a
+  run's section; `DriverConfig(method=..., prompts_per_step=...)` one of your own."""
+  method: str = _TRAIN_DEFAULTS["method"]
+  count_slice: bool = False  # the random slice's cost enters the ledger (it steers the run:
+  #                            Platt calibration, or the head fit on its trees)
 
   @classmethod
   def from_rollout(cls, method: str, rollout) -> "DriverConfig":
     """The driver's fields taken by name from a run config's rollout section
     (`trace_jax.config.RolloutSection`). `count_slice` is not a rollout field: it depends on the
-    rl section too, and `trace_jax.config.driver_config` sets it."""
-    kw = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(cls)
-          if f.name != "method" and hasattr(rollout, f.name)}
+    rl section too, and `driver_config` sets it."""
+    kw = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(RolloutSection)}
     return cls(method=method, **kw)
+
+
+def driver_config(c: TrainConfig):
+  """The rollout driver's settings (`DriverConfig`) of run config `c`: its method and rollout
+  section, and whether the random slice counts in the ledger (when it steers: rollout.calibrate
+  = platt or rl.predictor_slice)."""
+  d = DriverConfig.from_rollout(c.method, c.rollout)
+  # The slice steers the run when stage 1 is calibrated on it or the head is fit on its trees;
+  # then its rollouts are part of the method's cost.
+  steers = c.rollout.calibrate == "platt" or c.rl.predictor_slice
+  return dataclasses.replace(d, count_slice=steers)
 
 
 @dataclasses.dataclass
@@ -122,7 +106,7 @@ class RolloutDriver:
 
   def stage2_price(self, window: int = 4) -> float | None:
     """The streamed stage 2's price: the median batch price of the last `window` streamed steps
-    (`_Stage2.price`), None before the first."""
+    (`Stage2Decisions.price`), None before the first."""
     recent = self._stage2_prices[-window:]
     return float(np.median(recent)) if recent else None
 
@@ -216,8 +200,8 @@ class RolloutDriver:
     else:
       stage2_run = self.strategy.has_stage2() and self.cfg.prefix_budget > 0
       trees = self._sample_roots(examples, plan, adopt, [] if stage2_run else ahead)
-      stage1 = [_Stage1View.of(t) for t in trees]
-      s2 = _Stage2()
+      stage1 = [Stage1View.of(t) for t in trees]
+      s2 = Stage2Decisions()
       s2.decide(self, trees, range(len(trees)), use_predictor, self.cfg.prefix_budget)
       slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
       slice_trees = []
@@ -258,7 +242,7 @@ class RolloutDriver:
       slice_info.update(calib_a=plan.calibration[0], calib_b=plan.calibration[1])
     ledger = {k: v - ledger_before.get(k, 0) for k, v in self.engine.ledger.as_dict().items()}
     if slice_trees:
-      cost = _trees_cost(slice_trees)
+      cost = trees_cost(slice_trees)
       if not self.cfg.count_slice:  # a pure measurement: outside the method's budget
         for k, v in cost.items():
           ledger[k] -= v
@@ -289,7 +273,7 @@ class RolloutDriver:
 
   def _sample_streamed(self, examples, plan, use_predictor, adopt=False, ahead=()):
     """Stage 1, stage 2 and the slice in one engine run: each time some stage-1 trees finish,
-    they receive their part of the stage-2 budget left (`_Stage2.on_done`) and their
+    they receive their part of the stage-2 budget left (`Stage2Decisions.on_done`) and their
     continuations start at once, in the slots the tail of stage 1 leaves idle. The random slice
     starts with the last decision, in the tail (as in batch mode, where it shares the stage-2
     run), not competing with stage 1 for slots. The step's batch price joins the driver's record
@@ -297,7 +281,7 @@ class RolloutDriver:
     reqs = self._root_requests(examples, plan)
     n = len(reqs)
     slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
-    s2 = _Stage2(self, use_predictor, n)
+    s2 = Stage2Decisions(self, use_predictor, n)
     s2.tail = list(slice_reqs)  # the slice joins with the last decision, in stage 2's tail
     out = self.engine.run([] if adopt else reqs, on_trees_done=s2.on_done,
                           **_ahead_kw(adopt, ahead))
@@ -382,137 +366,6 @@ class RolloutDriver:
     return preds, info
 
 
-@dataclasses.dataclass
-class _Stage1View:
-  """A tree as stage 1 left it (its leaves then, and whether they were mixed): what the step's
-  record and the root predictions read once stage 2 has grown the tree."""
-  mixed: bool
-  leaf_nodes: list
-
-  @classmethod
-  def of(cls, tree: Tree) -> "_Stage1View":
-    return cls(bool(tree.mixed), list(tree.leaves()))
-
-  def leaves(self):
-    return self.leaf_nodes
-
-
-class _Stage2:
-  """Stage 2's decisions for one step, batch or streamed.
-
-  Batch: one `decide` over every stage-1 tree with the whole budget. Streamed: `on_done` (the
-  engine's `on_trees_done`) decides for each group of stage-1 trees as it finishes. The group gets
-  as many continuations as are worth the price (the marginal value of the batch allocator's last
-  unit, median over the last steps: `RolloutDriver.stage2_price`), read off the method's value
-  curve on the group's trees (`Strategy.value_curve`); without a price yet (the first step) or an
-  objective (rule-based methods), the budget left times the group's share of the trees still
-  undecided. The last group gets everything left, so the continuations never exceed
-  `prefix_budget` and the budget is spent, and when every tree finishes at once the single
-  decision is exactly the batch one. With a deadline (`DriverConfig.stage2_deadline` > 0) the
-  "last" group is the one after which at most that share of the trees still runs: it spends what
-  is left, so its continuations overlap stage 1's tail instead of starting after it, and the
-  trees finishing later get none (their candidates are recorded with zero continuations). The
-  strategy decides within the group (`prefix_counts` on its trees, with the group's budget), so
-  its own rule and estimates apply unchanged.
-  `benchmarks/stream_allocation.py` measures the value kept against the batch decision.
-  """
-
-  max_share = 2.0  # a priced group takes at most this many fair shares (see `on_done`)
-
-  def __init__(self, driver=None, use_predictor: bool = True, num_trees: int = 0):
-    self.driver, self.use_predictor, self.num_trees = driver, use_predictor, num_trees
-    self.left = driver.cfg.prefix_budget if driver is not None else 0
-    self.decided = 0
-    self.index: dict[int, int] = {}   # tree uid -> its index among the stage-1 requests
-    self.views: dict[int, _Stage1View] = {}
-    self.cands, self.conts, self.p_anchor = [], [], []
-    self.read_estimates = False
-    self.children_before: dict[tuple[int, int], set] = {}
-    self.forks: list[ForkRequest] = []
-    self.shares: list[int] = []
-    self.gains: list[np.ndarray] = []  # each group's marginal gains (its value curve's steps)
-    self.tail: list = []  # requests to start with the last decision (the random slice)
-    self.slice_trees, self.slice_p = [], []
-    self.closed = False  # the last decision is made (every later group gets nothing)
-
-  def decide(self, driver, trees, indices, use_predictor: bool, budget: int,
-             cands=None) -> list:
-    """Continuations for `trees` (stage-1 tree indices `indices`) within `budget` rollouts:
-    records the candidates, counts and estimates, sets each anchor's p̂ and returns the forks."""
-    strategy = driver.strategy
-    if budget != driver.cfg.prefix_budget:
-      strategy = type(strategy)(dataclasses.replace(driver.cfg, prefix_budget=int(budget)))
-    if cands is None:  # (the budget never changes which anchors are candidates)
-      cands = strategy.candidates(trees)
-    conts, p_anchor = strategy.prefix_counts(driver, trees, cands, use_predictor)
-    conts = np.asarray(conts, np.int32)
-    forks = []
-    for j, ((ti, nid), k) in enumerate(zip(cands, conts)):
-      if p_anchor is not None and nid != 0:  # the root keeps its stage-1 p̂
-        trees[ti].nodes[nid].p_hat = float(p_anchor[j])
-      gi = indices[ti]
-      if k > 0:
-        self.children_before[(gi, nid)] = set(trees[ti].nodes[nid].children)
-        forks.append(ForkRequest(trees[ti], nid, int(k)))
-      self.cands.append((gi, nid))
-      self.conts.append(int(k))
-      self.p_anchor.append(float(p_anchor[j]) if p_anchor is not None else float("nan"))
-    self.read_estimates = self.read_estimates or p_anchor is not None
-    self.shares.append(int(budget))
-    self.forks += forks
-    return forks
-
-  def on_done(self, idle_trees) -> list:
-    """The engine's callback: decides for the stage-1 trees among `idle_trees` (others, slice
-    trees and trees whose continuations just finished, need nothing) and returns their forks."""
-    new = [t for t in idle_trees if t.uid not in self.views and not t.meta.get("metric_slice")]
-    if not new:
-      return []
-    for t in new:
-      self.index[t.uid] = int(t.meta["stage1_index"])  # the tree's place among the requests
-      self.views[t.uid] = _Stage1View.of(t)
-    new.sort(key=lambda t: self.index[t.uid])
-    undecided = self.num_trees - self.decided
-    self.decided += len(new)
-    d = self.driver
-    cands = d.strategy.candidates(new)
-    curve = d.strategy.value_curve(d, new, cands, self.use_predictor, d.cfg.prefix_budget)
-    if curve is not None:  # every group's curve, so the step's batch price covers every tree
-      self.gains.append(np.diff(curve))
-    if self.closed:  # past the deadline: recorded, nothing granted
-      self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, 0, cands)
-      return []
-    price = d.stage2_price()
-    running = self.num_trees - self.decided
-    last = running == 0 or running <= d.cfg.stage2_deadline * self.num_trees
-    if last:  # the last group (or the deadline's): everything left
-      share = self.left
-    elif curve is None or price is None:  # no objective, or no price yet: a fair share
-      share = self.left * len(new) // undecided
-    else:  # the units worth at least what the batch allocator's last unit was worth lately,
-      below = np.flatnonzero(np.diff(curve) < price)  # at most `max_share` fair shares
-      fair = self.left * len(new) / undecided
-      share = min(self.left, int(below[0]) if below.size else len(curve) - 1,
-                  int(np.ceil(self.max_share * fair)))
-    forks = self.decide(d, new, [self.index[t.uid] for t in new], self.use_predictor, share,
-                        cands)
-    self.left -= sum(f.k for f in forks)
-    self.closed = last
-    if last and self.tail:
-      forks, self.tail = forks + self.tail, []
-    return forks
-
-  def price(self, budget: int) -> float | None:
-    """This step's batch price: the marginal value of the batch allocator's last unit, i.e. the
-    budget-th largest marginal gain over every group's curve (the groups hold disjoint trees and
-    the objectives add over trees, so the batch greedy's picks are the top ones of the union).
-    0 when fewer units than the budget had any value; None without curves."""
-    if not self.gains:
-      return None
-    g = np.sort(np.concatenate(self.gains))[::-1]
-    return float(g[budget - 1]) if len(g) >= budget and budget > 0 else 0.0
-
-
 def _stage1_info(trees, plan, pool_size: int, predictive: bool) -> dict:
   """Stage 1 in the step's record: how mixed its trees came out, how many were all failures or all
   successes, how the rollouts were spread, and (`predictive`: the plan read p̂) what it expected
@@ -579,7 +432,7 @@ def _leaves_under(tree: Tree, node_id: int):
   return out
 
 
-def _trees_cost(trees) -> dict[str, int]:
+def trees_cost(trees) -> dict[str, int]:
   """What sampling `trees` from their prompts cost, in the ledger's terms: rollouts started,
   generated tokens, prefill tokens (the prompt but its pending last token, then every
   observation) and tool calls (every turn but those cut before the environment ran)."""

@@ -51,7 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from trace_jax.rl.losses import predictor_bce
+from trace_jax.allocation.predictor_loss import predictor_bce
 from trace_jax.sampling.tree import rollout_values
 
 _OWN = object()  # `fit` without an opt_state argument: the fitter's own state

@@ -121,3 +121,21 @@ def stratified_by_outcome(p, y, prefix: str = "") -> dict:
     out[f"{prefix}brier_{name}"] = brier(p[sel], y[sel])
   out[f"{prefix}p_gap"] = out[f"{prefix}p_success"] - out[f"{prefix}p_failure"]
   return out
+
+
+def prediction_summary(predictions) -> tuple[dict, dict | None]:
+  """A run's allocation-time predictions, (stage, p̂, outcome) triples, as the summary reports
+  them: (`predictor_report` over all, with a "root" and a "prefix" entry for each stage that has
+  more than one; the calibration curve's bins and ECE for the plot), or ({}, None) when empty."""
+  pred_rep, calib = {}, None
+  if predictions:
+    p = np.asarray([x[1] for x in predictions])
+    y = np.asarray([x[2] for x in predictions])
+    pred_rep = predictor_report(p, y)
+    stage = np.asarray([x[0] for x in predictions])
+    for st in ("root", "prefix"):  # stage 1 and stage 2 read different prefixes; report each
+      if (stage == st).sum() > 1:
+        pred_rep[st] = predictor_report(p[stage == st], y[stage == st])
+    cc = calibration_curve(p, y)
+    calib = {"bins": {k: np.asarray(v).tolist() for k, v in cc.items()}, "ece": pred_rep["ece"]}
+  return pred_rep, calib

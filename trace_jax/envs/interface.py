@@ -20,6 +20,12 @@ A state must survive `copy.deepcopy`: in a tree a forked branch continues from a
 at its anchor turn (`adapter.TreeEnvAdapter`). A tool whose calls are one at a time implements
 `step(state, text)` and `reset` and wraps itself in `FunctionEnv`.
 
+What the adapter checks at every reset and step (`checks`; a broken environment fails there,
+naming the example, the turn and the cause): the state copies; a done turn's reward is a finite
+number; a turn that is not done has an observation, which contains `observation_close`. Before
+sampling, `checks.check_examples` checks the examples (`prompt_ids` in the model's vocabulary,
+`answers`), and `checks.CheckedEncode` wraps the `encode` the sampler tokenizes observations with.
+
 What the sampler gives back: one `sampling.tree.Tree` per prompt, its nodes the turns (`text` the
 generated turn, `obs_text` the observation after it, `gen_ids`/`logprobs` the policy's tokens and
 their log-probabilities) and its leaves the finished rollouts with their `reward`.

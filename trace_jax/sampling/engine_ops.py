@@ -1,7 +1,7 @@
 """Jitted device steps of the sampler: batched decode over all slots, chunked prefill, sampling.
 
 Everything here is a pure function of (params state, KV pool, int/float arrays) with static shapes;
-the host engine (`sampler.py`) only builds the index arrays. The pool is donated to every step, so
+the host engine (`engine.py`) only builds the index arrays. The pool is donated to every step, so
 K/V writes happen in place instead of copying the whole pool each token. Given a `PoolLayout` (a
 mesh), the steps take explicit in/out shardings and everything that indexes the pool runs per data
 shard under `shard_map`, so the pool is never gathered.

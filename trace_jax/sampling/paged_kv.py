@@ -19,6 +19,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from trace_jax.models.attention import dense_attention
+
 NULL_PAGE = 0
 
 
@@ -260,7 +262,6 @@ def paged_prefill_attention(q, k_pages, v_pages, table, start, num_new):
   Returns:
     [B, C, H, hd]; padded query rows are finite garbage.
   """
-  from trace_jax.models.qwen3.model import dense_attention
   k = gather_sequences(k_pages, table).astype(q.dtype)
   v = gather_sequences(v_pages, table).astype(q.dtype)
   c = q.shape[1]

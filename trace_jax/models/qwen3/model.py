@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.models.attention import dense_attention  # (also importable from here)
 from trace_jax.models.qwen3.config import Qwen3Config
 from trace_jax.models.qwen3.rope import apply_rope, rope_cos_sin
-
-_NEG = -1e30  # finite mask value: a fully masked row gives a uniform softmax, never NaN
 
 # Per-layer rematerialization policies (None: save nothing but the layer input).
 REMAT_POLICIES = {"none": None, "full": None,
@@ -50,27 +49,6 @@ class RMSNorm(nnx.Module):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
-
-
-def dense_attention(q, k, v, mask):
-  """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; mask: bool[B, T, S] -> [B, T, H, D] (f32 softmax).
-
-  Heads are moved ahead of time and the GQA group is folded into the query rows, so both products
-  are plain batched matmuls over (batch, kv head); this layout runs several times faster on CPU
-  than contracting in the [B, T, H, D] layout.
-  """
-  b, t, h, d = q.shape
-  s_len, hkv = k.shape[1], k.shape[2]
-  g = h // hkv
-  qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  s = jnp.einsum("bkmd,bksd->bkms", qg, kt, preferred_element_type=jnp.float32) * d ** -0.5
-  s = s.reshape(b, hkv, g, t, s_len)
-  s = jnp.where(mask[:, None, None], s, _NEG)
-  p = jax.nn.softmax(s, axis=-1).reshape(b, hkv, g * t, s_len)
-  o = jnp.einsum("bkms,bksd->bkmd", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
-  o = o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-  return o.astype(q.dtype)
 
 
 class Attention(nnx.Module):

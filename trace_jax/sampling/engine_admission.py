@@ -1,0 +1,250 @@
+"""Request admission and scheduling of the tree sampler (`sampling.engine`): `SamplerEngine.run`,
+the admission of prompts and forks into per-(worker, data shard) queues (`_admit`), the refill of
+free slots from those queues (`_refill`: a fork shares its anchor's full pages and copies the
+partial last one), and the rollouts started ahead for the caller's next step (`carried`,
+`drop_carried`, `ahead_ledger`).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from trace_jax.sampling.config import ForkRequest, Ledger, PromptRequest
+from trace_jax.sampling.engine_pages import TreeState, _Branch
+from trace_jax.sampling.tree import Node, Tree
+
+_COPY_BATCH = 64  # pages copied per copy_pages call
+
+
+class AdmissionMixin:
+  """`SamplerEngine.run` and what feeds its slots. Uses the engine's `cfg`, `alloc`, `shards`,
+  `pool`, `slots`, `slot_worker`, `slot_shard`, `ledger`, `ahead_ledger`, `record_steps`,
+  `starts`, `_trees`, `_kept`, `_pending`, `_ahead_pending`, `_carried`, `_next_uid`, `_jobs`,
+  `_idle`, `_on_trees_done` and `_copy` (set by `SamplerEngine.__init__`), with the loop
+  (`engine_loop.DecodeLoopMixin`), page (`engine_pages.PageBookkeepingMixin`) and feature
+  (`engine_features.PromptFeaturesMixin`) methods."""
+
+  def run(self, requests, *, num_workers: int = 1, sync_turns: bool = False,
+          sync_refill: bool = False, on_trees_done=None, ahead=(), adopt: bool = False
+          ) -> list[Tree]:
+    """Samples every request to completion and returns the trees, in request order.
+
+    ahead: requests of the caller's *next* step (PromptRequest only). Their branches start only in
+    slots this run's own work leaves idle (its tail), and the run returns as soon as its own trees
+    are done, leaving them decoding or queued: `carried` lists their trees. The next call must
+    adopt them (`adopt=True`: they come first in its result and are sampled to completion with
+    the weights it has then; `update_params` in between swaps the weights under them) or
+    `drop_carried()`. Their cost is kept in `ahead_ledger` until adopted, so each run's `ledger`
+    delta is the cost of the trees it returns.
+
+    on_trees_done: optional callback(trees) -> requests. Between decode steps it receives the
+    trees of this run that went idle since the last call (every rollout started for them has
+    finished), in the order they went idle; the requests it returns (forks of live trees, or new
+    prompts, whose trees are appended to the result) join the run at once, while the other trees
+    are still decoding, and a tree that gets more rollouts is reported again when they finish.
+    This is how a second stage streams into the first one's tail instead of waiting for every
+    tree.
+
+    requests: PromptRequest, ForkRequest or (tree, anchor node, k) tuples. With num_workers > 1 the
+    slots are split into contiguous blocks, each tree belongs to one worker and a worker's slots
+    are refilled only from its own trees (task affinity); on a mesh a tree also stays on one data
+    shard (its pages' range), a worker's slots on shard d take only its trees of shard d, and a
+    fork goes to the shard of its tree. sync_turns: every slot waits for the
+    slowest turn before the next one, and new branches start only when all slots are empty (or,
+    with sync_refill, at every turn barrier).
+    """
+    s = self.cfg.num_slots
+    if not 1 <= num_workers <= s:
+      raise ValueError(f"num_workers must be in [1, {s}], got {num_workers}")
+    if self._carried and not adopt:
+      raise ValueError(f"{len(self._carried)} trees started ahead by the last run are still "
+                       f"live: adopt them (run(..., adopt=True)) or drop_carried() first")
+    if any(not isinstance(r, PromptRequest) for r in ahead):
+      raise ValueError("ahead takes PromptRequests only (the next step's new prompts)")
+    slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
+    if adopt and self._carried and not np.array_equal(slot_worker, self.slot_worker):
+      raise ValueError("adopting carried trees needs the num_workers they were started with")
+    self.slot_worker = slot_worker
+    self._pending = {(int(w), int(d)): collections.deque()
+                     for w, d in zip(self.slot_worker, self.slot_shard)}
+    self._on_trees_done, self._idle = on_trees_done, []
+    carried, self._carried = self._carried, []
+    if carried:  # the last run's ahead trees become this run's first ones
+      for key, q in self._ahead_pending.items():
+        self._pending[key].extend(q)
+      for t in carried:
+        st = self._trees[t.uid]
+        st.ahead = False
+        if st.outstanding == 0 and on_trees_done is not None:
+          self._idle.append(t)  # done while carried: reported at this run's first step
+      self._absorb_ahead_ledger()
+    self._ahead_pending = {key: collections.deque() for key in self._pending}
+    trees = self._run_trees = carried + self._admit(requests, num_workers)
+    ahead_trees = self._admit(list(ahead), num_workers, ahead=True) if ahead else []
+    self.drop_kept()  # the scored prompts this run does not sample: their pages go back now
+    done = False
+    try:
+      self._loop(sync_turns, num_workers, sync_refill)
+      done = True
+    finally:
+      if not done:  # an error: hand every branch's pages to its tree for release
+        self._unslot()
+        for st in self._trees.values():
+          st.outstanding = 0
+        self._ahead_pending, ahead_trees = {}, []
+        self._absorb_ahead_ledger()
+      self._jobs, self._on_trees_done, self._idle = [], None, []
+    self._carried = ahead_trees
+    return trees
+
+  @property
+  def carried(self) -> list[Tree]:
+    """Trees started ahead by the last `run` and not yet adopted by one (`run(adopt=True)`)."""
+    return list(self._carried)
+
+  def drop_carried(self) -> None:
+    """Stops the rollouts carried ahead and releases their trees; their cost so far moves into
+    `ledger` (work done, not used)."""
+    uids = {t.uid for t in self._carried}
+    self._unslot(lambda b: b.tree.uid in uids)
+    self._ahead_pending = {}
+    trees, self._carried = self._carried, []
+    self.release(trees)
+    self._absorb_ahead_ledger()
+
+  def _absorb_ahead_ledger(self) -> None:
+    for k, v in self.ahead_ledger.as_dict().items():
+      setattr(self.ledger, k, getattr(self.ledger, k) + v)
+    self.ahead_ledger = Ledger()
+
+  def _charge(self, st: "TreeState | None") -> Ledger:
+    """The ledger a tree's work is charged to (None: not a tree's, e.g. scoring a pool)."""
+    return self.ahead_ledger if st is not None and st.ahead else self.ledger
+
+  # ---- admission ---------------------------------------------------------------------------------
+  def _admit(self, requests, num_workers, ahead: bool = False) -> list[Tree]:
+    queues = self._ahead_pending if ahead else self._pending
+    trees, load = [], {c: 0 for c in queues}
+    for req in requests:
+      if isinstance(req, tuple):
+        req = ForkRequest(*req)
+      if isinstance(req, PromptRequest):
+        ids = [int(t) for t in req.prompt_ids]
+        if not 1 <= len(ids) < self.cfg.max_seq_len:
+          raise ValueError(
+              f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
+        uid = self._next_uid if req.uid is None else int(req.uid)
+        if uid in self._trees:  # its record (pages, rng streams) would be another tree's
+          raise ValueError(f"tree uid {uid} is still live on this engine; release that tree "
+                           f"before reusing its uid")
+        if req.uid is None:
+          self._next_uid += 1
+        tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
+        st = self._trees[uid] = TreeState(tree, ahead=ahead)
+        node_id, count = 0, req.n
+        kept = self._kept.get(tuple(ids))
+        if kept is not None:  # scored with keep: its K/V is in these pages already
+          shard = self.alloc.shard_of(kept[0][0])
+          # On a mesh the pages fix the tree's shard; a shard already fuller than the emptiest
+          # by more than this tree prefills it afresh there instead (balance over one prefill).
+          if min(v for c, v in load.items() if c[1] == shard) - min(load.values()) <= count:
+            del self._kept[tuple(ids)]
+            st.kv[0] = kept
+            st.page_refs.append(kept[0])
+            st.shard = shard
+      else:
+        tree, node_id, count = req.tree, req.node, req.k
+        node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
+        if not 0 <= node_id < len(tree.nodes):
+          raise IndexError(f"node {node_id} not in tree {tree.uid}")
+        if tree.nodes[node_id].done:
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
+                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
+                           f"anchor")
+        st = self._trees.get(tree.uid)
+        if st is None or (node_id not in st.kv and node_id != 0):
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
+                           f"released (fork before calling engine.release)")
+        if st.tree is not tree:  # the forks would grow a tree the KV map does not describe
+          raise ValueError(f"cannot fork from tree {tree.uid}: it is a copy, not the tree this "
+                           f"engine sampled under that uid")
+      # (worker, shard) queues: a tree keeps its shard (its pages live there) and, when it can,
+      # its worker; otherwise the least loaded queue takes it.
+      cands = [c for c in load if st.shard is None or c[1] == st.shard]
+      prefer = [c for c in cands if c[0] == st.worker]
+      pick = min(prefer or cands, key=lambda c: load[c])
+      st.worker, st.shard = pick
+      load[pick] += count
+      queues[pick].extend([(st, node_id)] * count)
+      st.outstanding += count
+      if all(t is not tree for t in trees):
+        trees.append(tree)
+    if self.cfg.prompt_mean_features:
+      states = [self._trees[t.uid] for t in trees]
+      self._set_prompt_means([st for st in states if st.prompt_mean is None])
+    return trees
+
+  # ---- slot refill -------------------------------------------------------------------------------
+  def _own_work_left(self) -> bool:
+    """Whether this run's own trees (not those started ahead) have branches queued or running."""
+    return (any(self._pending.values()) or
+            any(b is not None and not b.state.ahead for b in self.slots))
+
+  def _refill(self):
+    starts = []
+    for i, b in enumerate(self.slots):
+      key = (int(self.slot_worker[i]), int(self.slot_shard[i]))
+      q = self._pending[key]
+      if b is None and not q and self._ahead_pending:
+        q = self._ahead_pending[key]  # an idle slot: the next step's rollouts may start here
+      if b is None and q:
+        starts.append((i, *q.popleft()))
+    if not starts:
+      return
+    cfg = self.cfg
+    for _, st, node_id in starts:  # the prompt's K/V must exist before it is forked
+      if node_id == 0 and 0 not in st.kv:
+        prompt = st.tree.prompt_ids
+        n = len(prompt) - 1
+        pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
+        st.page_refs.append(pages)
+        st.kv[0] = (pages, n)
+        self._jobs.append([st, pages, 0, list(prompt[:-1]), None])
+    self._flush_prefill()
+    src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
+    for slot, st, node_id in starts:
+      tree = st.tree
+      pages, kv_len = st.kv[node_id]
+      # Share the anchor's full pages (never written again); copy the partial last one. Without
+      # sharing (an ablation), every page is copied.
+      full = kv_len // cfg.page_size if cfg.share_prefix else 0
+      used = -(-kv_len // cfg.page_size)
+      shared = list(pages[:full])
+      shard = int(self.slot_shard[slot])
+      own = self.alloc.alloc(used - full, shard)  # may raise PoolExhaustedError (run() cleans up)
+      src[shard] += pages[full:used]
+      dst[shard] += own
+      self.alloc.incref(shared)
+      node = tree.nodes[node_id]
+      serial = st.branches
+      st.branches += 1
+      seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
+      b = _Branch(st, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
+                  seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
+      b.serial, b.shard = serial, shard
+      b.feature_for = node_id if node.feature is None else None
+      b.turn_limit = self._turn_limit(b)
+      self.slots[slot] = b
+      if self.record_steps:
+        self.starts.append((slot, tree.uid))
+      self._charge(st).rollouts_started += 1
+    for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
+      s_ids, d_ids = [], []
+      for shard in range(self.shards):  # block per shard, padded with the shard's null page
+        s, d = src[shard][j:j + _COPY_BATCH], dst[shard][j:j + _COPY_BATCH]
+        pad = [self.alloc.null_page(shard)] * (_COPY_BATCH - len(s))
+        s_ids += s + pad
+        d_ids += d + pad
+      self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))

@@ -1,0 +1,177 @@
+"""Page bookkeeping of the tree sampler (`sampling.engine`): the per-tree record the engine keeps
+(`TreeState`), the host state of a branch in a slot (`_Branch`), and the `SamplerEngine` methods
+that hold and drop page references: a tree's lifetime (`tree_state`, `release`, `checkpoint` /
+`rollback`), the pages of scored prompts kept for sampling (`drop_kept`), and a branch leaving its
+slot (`_retire`, `_unslot`).
+
+Pages are reference-counted by the `PageAllocator` (`sampling.paged_kv`): a branch's pages are
+handed to its tree when it leaves its slot and stay alive for forks until `release(trees)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from trace_jax.sampling.paged_kv import tree_pages
+from trace_jax.sampling.tree import Node, Tree
+
+
+@dataclasses.dataclass(eq=False)
+class TreeState:
+  """The engine's bookkeeping of one live tree, kept by the engine (never on the `Tree`) from
+  admission until `release`.
+
+  kv: node id -> (page list, KV tokens written) of the prefix ending at that node: what a fork
+    from the node shares or copies (the root's entry appears when its first branch starts).
+  page_refs: the page lists this tree holds one reference each to (every finished branch's, the
+    prompt's), freed by `release` or `rollback`.
+  branches: branches started so far; the next one's rng stream and `Node.rollout` index.
+  outstanding: branches of the current `run` queued or decoding (0 when the tree is idle).
+  worker, shard: the (worker, data shard) queue the tree's branches run on (task affinity; its
+    pages live in that shard's range); -1 and None until first placed.
+  prompt_mean: f32[D] mean final state over the prompt (`prompt_mean_features`), or None.
+  ahead: admitted as a rollout of the caller's next step (`run(ahead=...)`) and not yet adopted:
+    its work is charged to `engine.ahead_ledger`, and the current run neither waits for it nor
+    reports it.
+  """
+
+  tree: Tree
+  kv: dict[int, tuple[list[int], int]] = dataclasses.field(default_factory=dict)
+  page_refs: list[list[int]] = dataclasses.field(default_factory=list)
+  branches: int = 0
+  outstanding: int = 0
+  worker: int = -1
+  shard: int | None = None
+  prompt_mean: np.ndarray | None = None
+  ahead: bool = False
+
+
+class _Branch:
+  """Host state of one active rollout: its page table, lengths, rng and current turn."""
+
+  def __init__(self, state: TreeState, parent_node: int, pages: list[int], kv_len: int,
+               pending: int, key: np.ndarray, group_key, shared_pages: int):
+    self.state, self.tree = state, state.tree
+    self.parent_node, self.pages = parent_node, pages
+    self.kv_len, self.pending, self.key = kv_len, pending, key
+    self.group_key, self.shared_pages = group_key, shared_pages
+    self.counter = 0
+    self.turn_ids: list[int] = []
+    self.turn_lps: list[float] = []
+    self.turn_ents: list[float] = []
+    self.feature_for: int | None = None  # node whose feature the next step's hidden state is
+    self.final = False                   # the next step only records the leaf feature
+    self.waiting = False                 # synchronous turns: turn ended, waiting for the barrier
+    self.end_reason = ""
+    self.node: Node | None = None
+    self.serial = 0                      # rollout index within its tree (Node.rollout)
+    self.turn_limit = 0
+    self.shard = 0                       # data shard holding the branch's pages and slot
+    self.budget = 0                      # decode steps of the next device call
+
+
+class PageBookkeepingMixin:
+  """`SamplerEngine`'s page references: trees from admission to `release`, kept prompts, branches
+  leaving their slots. Uses the engine's `cfg`, `alloc`, `shards`, `slots`, `env_step`, `_trees`,
+  `_kept`, `_on_trees_done` and `_idle` (set by `SamplerEngine.__init__` and `run`) and
+  `drop_carried` (`engine_admission.AdmissionMixin`)."""
+
+  @property
+  def live_trees(self) -> dict[int, Tree]:
+    """uid -> tree, for every tree admitted and not yet released."""
+    return {uid: st.tree for uid, st in self._trees.items()}
+
+  def tree_state(self, tree: Tree) -> TreeState:
+    """The engine's bookkeeping of a live `tree` (see `TreeState`); KeyError once released."""
+    st = self._trees.get(tree.uid)
+    if st is None or st.tree is not tree:
+      raise KeyError(f"tree {tree.uid} is not live on this engine (released, or a copy)")
+    return st
+
+  def release(self, trees: Sequence[Tree] | None = None) -> None:
+    """Drops every page reference held by `trees` (all live trees if None) and the engine's record
+    of them, and the environment's per-node state when the env callback keeps one (it has a
+    `release(trees)` method). With `trees` None, also the pages of scored prompts kept for
+    sampling (`drop_kept`)."""
+    if trees is None:
+      self.drop_kept()
+      self.drop_carried()
+    trees = [st.tree for st in self._trees.values()] if trees is None else list(trees)
+    for tree in trees:
+      st = self._trees.pop(tree.uid, None)
+      for pages in st.page_refs if st is not None else ():
+        self.alloc.decref(pages)
+    env_release = getattr(self.env_step, "release", None)
+    if env_release is not None:
+      env_release(trees)
+
+  def checkpoint(self, tree: Tree) -> tuple[int, int]:
+    """A mark to `rollback` to: the tree's node count and page references now."""
+    return len(tree.nodes), len(self.tree_state(tree).page_refs)
+
+  def rollback(self, tree: Tree, mark: tuple[int, int]) -> None:
+    """Discards the nodes and KV pages a tree gained after `checkpoint` (e.g. to drop a round of
+    continuations); the nodes from before stay forkable. The branch counter runs on (later forks
+    draw new rng streams)."""
+    st = self.tree_state(tree)
+    n_nodes, n_refs = mark
+    for pages in st.page_refs[n_refs:]:
+      self.alloc.decref(pages)
+    del st.page_refs[n_refs:]
+    del tree.nodes[n_nodes:]
+    for n in tree.nodes:
+      n.children = [c for c in n.children if c < n_nodes]
+    for k in [k for k in st.kv if k >= n_nodes]:
+      del st.kv[k]
+
+  def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
+    """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
+    each (the worst case of one tree, no prefix shared): a tree's pages all live on the data shard
+    it was placed on, so a tree larger than a shard's page range cannot be sampled. Callers pass
+    the largest tree they will request (e.g. the train loop: stage 1's per-prompt cap, the probe's
+    8 samples). Stage-2 continuations fork from pages the tree already holds and are not counted:
+    one that finds its shard full ends its turn as `pool_exhausted`."""
+    cfg = self.cfg
+    need, have = tree_pages(branches, cfg.max_seq_len, cfg.page_size, cfg.num_pages, self.shards)
+    if need > have:
+      where = (f"one of the {self.shards} data shards" if self.shards > 1 else "the pool")
+      raise ValueError(
+          f"{what} of {branches} rollouts x {cfg.max_pages_per_seq} pages (max_seq_len "
+          f"{cfg.max_seq_len} / page_size {cfg.page_size}) needs {need} pages on one shard, but "
+          f"{where} holds {have} (num_pages {cfg.num_pages}); raise num_pages to at least "
+          f"{(need + 1) * self.shards}" + (" or use fewer data shards" if self.shards > 1 else ""))
+
+  def drop_kept(self) -> None:
+    """Releases the pages of scored prompts kept for sampling (`prompt_features(keep=True)`)
+    that no run has admitted."""
+    for pages, _ in self._kept.values():
+      self.alloc.decref(pages)
+    self._kept.clear()
+
+  @property
+  def kept_prompts(self) -> int:
+    """Scored prompts whose K/V pages are kept for the sampler (not yet admitted)."""
+    return len(self._kept)
+
+  def _unslot(self, which=lambda b: True) -> None:
+    """Takes the branches `which` selects out of their slots, their pages handed to their trees
+    (freed by `release`)."""
+    for i, b in enumerate(self.slots):
+      if b is not None and which(b):
+        b.state.page_refs.append(b.pages)
+        self.slots[i] = None
+
+  def _retire(self, i):
+    b = self.slots[i]
+    spare = b.pages[-(-b.kv_len // self.cfg.page_size):]  # pages taken ahead, never written
+    if spare:
+      del b.pages[len(b.pages) - len(spare):]
+      self.alloc.decref(spare)
+    b.state.page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
+    self.slots[i] = None
+    b.state.outstanding -= 1
+    if b.state.outstanding == 0 and self._on_trees_done is not None and not b.state.ahead:
+      self._idle.append(b.tree)
