@@ -26,7 +26,7 @@ RUNS = [(m, "configs/mhqa.py:smoke", [f"--config.method={m}"]) for m in METHODS]
 TOOL_TASKS = [("math", ("configs/tool_math.py:smoke", "configs/math.py:smoke")),
               ("fc", ("configs/fc.py:smoke",))]
 # Keys that measure the machine, not the run.
-VOLATILE = ("environment", "workdir", "plots")
+VOLATILE = ("environment", "workdir", "plots", "path")  # path: the warm start's cache folder
 
 
 def _volatile(key: str) -> bool:
@@ -64,6 +64,8 @@ def _strip(d):
     return {k: _strip(v) for k, v in d.items() if not _volatile(k)}
   if isinstance(d, list):
     return [_strip(v) for v in d]
+  if isinstance(d, float) and d != d:
+    return "nan"  # NaN equals NaN here: the same value in both runs
   return d
 
 
