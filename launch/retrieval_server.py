@@ -11,8 +11,11 @@ training code, which speaks the same API.
   python launch/retrieval_server.py --world runs/world_seed0 --port 0   # prints the chosen port
 
 Requests are bounded: more than `--max_queries` queries, a body over `--max_body_bytes` or an
-answer over `--max_response_bytes` get HTTP 413 with a message instead of stalling the server for
-every other client.
+answer over `--max_response_bytes` get HTTP 413 with a message, and malformed or too deeply nested
+JSON or a query over `--max_query_chars` characters get HTTP 400, instead of stalling the server
+for every other client. At most `--max_workers` connections are served at once (more get HTTP
+503, which clients retry), and each has `--timeout_s` seconds per request in all, so idle or
+dripping connections free their worker.
 
 The first stdout line is `serving <what> (<n> docs) on http://HOST:PORT`, so scripts that start
 the server with `--port 0` can read the port from it.
@@ -33,8 +36,11 @@ import sys
 from trace_jax.envs.http_retriever import DEFAULT_PORT
 from trace_jax.envs.http_retriever import MAX_BODY_BYTES
 from trace_jax.envs.http_retriever import MAX_QUERIES
+from trace_jax.envs.http_retriever import MAX_QUERY_CHARS
 from trace_jax.envs.http_retriever import MAX_RESPONSE_BYTES
+from trace_jax.envs.http_retriever import MAX_WORKERS
 from trace_jax.envs.http_retriever import RetrievalServer
+from trace_jax.envs.http_retriever import TIMEOUT_S
 from trace_jax.envs.http_retriever import serve
 
 # A directory written by synthetic_world.World.save.
@@ -115,6 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="largest answer built (larger: HTTP 413 with a message)")
   parser.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES,
                       help="largest request body read (larger: HTTP 413 with a message)")
+  parser.add_argument("--max_query_chars", type=int, default=MAX_QUERY_CHARS,
+                      help="longest query searched (longer: HTTP 400 with a message)")
+  parser.add_argument("--max_workers", type=int, default=MAX_WORKERS,
+                      help="connections served at once (more: HTTP 503, retried by clients)")
+  parser.add_argument("--timeout_s", type=float, default=TIMEOUT_S,
+                      help="seconds a connection has to send one request (or read one answer)")
   parser.add_argument("--log_level", default="INFO")
   return parser.parse_args(argv)
 
@@ -126,7 +138,9 @@ def main(argv=None) -> int:
   server: RetrievalServer = serve(retriever, args.host, args.port, start=False,
                                   max_topk=args.max_topk, max_queries=args.max_queries,
                                   max_response_bytes=args.max_response_bytes,
-                                  max_body_bytes=args.max_body_bytes)
+                                  max_body_bytes=args.max_body_bytes,
+                                  max_query_chars=args.max_query_chars,
+                                  max_workers=args.max_workers, timeout_s=args.timeout_s)
   n_docs = len(retriever) if hasattr(retriever, "__len__") else "?"
   print(f"serving {what} ({n_docs} docs) on {server.url}", flush=True)
 

@@ -7,6 +7,7 @@ from configs import mhqa, runs
 from trace_jax import assets, warm_start
 from trace_jax.assets import sft_seed
 from trace_jax.config import TrainConfig
+from trace_jax.fileio import build_lock
 from trace_jax.warm_start import warm_start_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,6 +139,6 @@ def test_build_lock_excludes_another_process_until_released(tmp_path):
            "except BlockingIOError:\n  print('held')\n")
   take = lambda: subprocess.run([sys.executable, "-c", probe, path], capture_output=True,
                                 text=True, check=True).stdout.strip()
-  with warm_start.build_lock(path):
+  with build_lock(path):
     assert take() == "held"
   assert take() == "free"

@@ -4,6 +4,7 @@ and the cached warm start. Everything expensive is cached on disk and reused whe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -15,6 +16,7 @@ import jax
 from flax import nnx
 
 from trace_jax.envs import prompts
+from trace_jax.fileio import CorruptFileError, build_lock
 from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
 from trace_jax.parallel.distributed import allgather_object
 
@@ -293,12 +295,21 @@ def _config_dir_name(name: str, cfg, generator: int = 1) -> str:
 
 
 def cached_world(wdir: str, filename: str, generate, load):
-  """The world cached in `wdir` (`load(wdir)`), or a new one (`generate()`, saved there). Several
-  processes share the cache: process 0 writes it, the others read it once written."""
-  world = None
-  if not os.path.exists(os.path.join(wdir, filename)) and jax.process_index() == 0:
-    world = generate()
-    world.save(wdir)
+  """The world cached in `wdir` (`load(wdir)`), or a new one (`generate()`, saved there
+  atomically). Runs on one machine that need the same world take turns on a lock (the ones that
+  wait find it built); several processes of one run share it: process 0 writes it, the others
+  read it once written. A torn file (a run killed mid-write before saves were atomic) is rebuilt."""
+  path, world = os.path.join(wdir, filename), None
+  if jax.process_index() == 0:
+    with build_lock(path + ".lock") if jax.process_count() == 1 else contextlib.nullcontext():
+      if os.path.exists(path):
+        try:
+          world = load(wdir)
+        except CorruptFileError as e:
+          log.warning("%s; rebuilding it", e)
+      if world is None:
+        world = generate()
+        world.save(wdir)
   if jax.process_count() > 1:
     allgather_object(None)  # a barrier: the cache is complete past it
   return load(wdir) if world is None else world

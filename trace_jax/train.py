@@ -42,6 +42,7 @@ from trace_jax.checkpoint import Checkpointer, decode_host, encode_host
 from trace_jax.diagnostics import prefix_signal
 from trace_jax.divergence import Diverged, check_divergence
 from trace_jax.evaluate import evaluate
+from trace_jax.fileio import atomic_write_json
 from trace_jax.loop_utils import (NullWriter, StopSignal, default_workdir, global_norm, host_tree,
                                   is_primary, make_predictor, retriever_stats, use_compile_cache)
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
@@ -95,8 +96,7 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None, task=None) ->
     workdir = broadcast_object(workdir)
   os.makedirs(workdir, exist_ok=True)
   if is_primary():  # one process writes the run's files (config, metrics, summary, plots)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(c.to_dict(), f, indent=1)
+    atomic_write_json(os.path.join(workdir, "config.json"), c.to_dict(), indent=1)
   mesh = make_mesh(c.mesh)
   process_mesh = local_mesh(mesh)  # this process's block (raises when the mesh does not split)
   writer = MetricWriter(workdir) if is_primary() else NullWriter()
@@ -442,8 +442,7 @@ def finish(run: Run, state: LoopState) -> dict:
                  slot_utilization=led.busy_slot_steps / max(led.total_slot_steps, 1),
                  environment=environment())
   if is_primary():
-    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1, default=str)
+    atomic_write_json(os.path.join(run.workdir, "summary.json"), summary, indent=1, default=str)
     print("\n" + format_summary(summary), flush=True)
   return summary
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -23,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax.assets import Assets, default_trap_rate, sft_seed
 from trace_jax.checkpoint import Checkpointer
+from trace_jax.fileio import build_lock
 from trace_jax.parallel.distributed import broadcast_arrays, broadcast_object, put_global
 from trace_jax.provenance import (fingerprint, text_fingerprint, tree_fingerprint,
                                   world_fingerprint)
@@ -138,24 +138,6 @@ def data_fingerprints(c, assets: Assets, num_traces: int | None = None) -> dict:
                                       (seg[0], str(int(seg[1])))),
               sft_rows=int(packed["tokens"].shape[0]),
               sft_data=fingerprint(*_packed_arrays(packed)))
-
-
-@contextlib.contextmanager
-def build_lock(path: str):
-  """An exclusive lock on the file `path` (made if absent) for the `with` block: processes on
-  one machine that would build the same cached thing take turns, and the ones that wait find it
-  built. Blocks until the lock is free."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path, "a") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      log.info("waiting for another process holding %s", path)
-      fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def warm_start(c, assets: Assets, graphdef, params, log_fn=None, task=None):

@@ -11,6 +11,7 @@ every number and intermediate result, and the exponent of `**`. Every refusal ra
 from __future__ import annotations
 
 import ast
+import math
 from fractions import Fraction
 
 MAX_CHARS = 200
@@ -44,8 +45,9 @@ def _eval(node, depth: int) -> Fraction:
   if isinstance(node, ast.Expression):
     return _eval(node.body, depth + 1)
   if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-    if isinstance(node.value, float) and node.value != node.value:  # nan
-      raise CalculatorError("not a number")
+    if isinstance(node.value, float) and not math.isfinite(node.value):
+      # A literal past float range (`1e999`) parses as inf, which no Fraction holds.
+      raise CalculatorError("not a number" if math.isnan(node.value) else "number too large")
     return _check(Fraction(node.value) if isinstance(node.value, int)
                   else Fraction(repr(node.value)))
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):

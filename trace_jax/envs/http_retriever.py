@@ -1,4 +1,5 @@
-"""Search-R1's retrieval HTTP API, both sides: `HTTPRetriever` (client) and `serve` (server).
+"""Search-R1's retrieval HTTP API: `HTTPRetriever` (the client), with the server (`serve`,
+`RetrievalServer`: `retrieval_server`) and the wire format (`retrieval_wire`) re-exported here.
 
 The wire format is the one Search-R1's retrieval server speaks, so each side works with the other:
 
@@ -8,16 +9,16 @@ The wire format is the one Search-R1's retrieval server speaks, so each side wor
 With `"return_scores": false` each result is the bare document. Our server also sends `title` and
 `text` in each document so `Doc`s survive the round trip exactly; other servers' documents are split
 at the first newline of `contents` (title first, surrounding quotes dropped), as our BM25 retriever
-reads a Search-R1 corpus. `GET /health`
-answers `{"status": "ok", ...}`.
+reads a Search-R1 corpus. `GET /health` answers `{"status": "ok", ...}`.
 
-Both sides are bounded. The client's time per request is at most about
-`timeout_s * (max_retries + 1)` plus the backoff sleeps (`worst_case_s`), it never sends a body
-larger than `max_request_bytes` (it splits the batch instead), never reads more than
-`max_response_bytes`, and keeps at most `k` documents per query whatever the server sends. The
-server answers 413 with a message for too many queries in one request (`max_queries`), for a body
-over `MAX_BODY_BYTES` and for an answer that would exceed `max_response_bytes`; it never builds an
-unbounded response.
+Both sides are bounded and treat the other as hostile. The client's time per request is at most
+about `timeout_s * (max_retries + 1)` plus the backoff sleeps (`worst_case_s`): each attempt has
+`timeout_s` in all for connecting, sending, and reading the headers and the body, however slowly
+the server drips them. It never sends a body larger than `max_request_bytes` (it splits the batch
+instead), never reads more than `max_response_bytes` (body, error body or headers), follows no
+redirect (a 3xx is an error naming where it pointed), and keeps at most `k` documents per query
+whatever the server sends; a malformed answer (a document or score of the wrong type included) is
+a `RetrieverError`. The server's bounds: `retrieval_server`.
 
 Standard library only: the client runs in every rollout worker, the server in a small side process.
 """
@@ -26,89 +27,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
-import http.server
 import json
-import logging
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Sequence
+from typing import Sequence
 
+from trace_jax.envs.retrieval_server import (MAX_QUERY_CHARS, MAX_WORKERS, TIMEOUT_S,
+                                             RetrievalServer, serve)
+from trace_jax.envs.retrieval_wire import (DEFAULT_PORT, MAX_BODY_BYTES, MAX_QUERIES,
+                                           MAX_RESPONSE_BYTES, BoundedSocket, BudgetExceeded,
+                                           RetrieverError, RetrieverUnavailableError,
+                                           doc_from_json, doc_to_json, loads_bounded, preview,
+                                           results_from_json)
 from trace_jax.envs.types import Doc
-from trace_jax.envs.types import Retriever
 
-DEFAULT_PORT = 8000
-# Bodies larger than this are refused: a batch of a few thousand queries is far below it.
-MAX_BODY_BYTES = 32 * 1024 * 1024
-# The server refuses more queries than this in one request (the client sends 64 by default).
-MAX_QUERIES = 4096
-# Neither side builds or reads an answer larger than this.
-MAX_RESPONSE_BYTES = 64 * 1024 * 1024
-
-
-class RetrieverError(RuntimeError):
-  """The retrieval server answered, but with an error or a malformed response."""
-
-
-class RetrieverUnavailableError(RetrieverError):
-  """The retrieval server could not be reached (or kept failing) after all retries."""
-
-  def __init__(self, url: str, attempts: int, cause: BaseException):
-    self.url, self.attempts, self.cause = url, attempts, cause
-    super().__init__(f"retrieval server at {url} unavailable after {attempts} attempt(s): "
-                     f"{type(cause).__name__}: {cause}")
-
-
-# ----------------------------------------------------------------------------- wire format
-
-
-def doc_to_json(doc: Doc) -> dict:
-  """A Search-R1 document (`id`, `contents`) plus our exact `title` and `text`."""
-  return {"id": doc.id, "contents": doc.contents, "title": doc.title, "text": doc.text}
-
-
-def doc_from_json(document: Any, score: float = 0.0) -> Doc:
-  """Parses one document of a /retrieve answer (a dict, or a bare contents string)."""
-  if isinstance(document, str):
-    document = {"contents": document}
-  if not isinstance(document, dict):
-    raise RetrieverError(f"expected a document object, got {document!r:.80}")
-  if isinstance(document.get("title"), str) and isinstance(document.get("text"), str):
-    title, text = document["title"], document["text"]
-  else:
-    contents = document.get("contents")
-    if not isinstance(contents, str):
-      raise RetrieverError(f"document without string contents: {document!r:.80}")
-    # Search-R1 corpora put the (often quoted) title on the first line of `contents`; split it the
-    # way the local BM25 retriever does, so one corpus gives the same Docs locally and over HTTP.
-    title, sep, text = contents.partition("\n")
-    if sep:
-      title, text = title.strip().strip('"'), text.strip()
-    else:
-      title, text = "", contents
-  return Doc(id=str(document.get("id", "")), title=title, text=text, score=float(score))
-
-
-def results_from_json(payload: Any, n_queries: int) -> list[list[Doc]]:
-  """Parses a /retrieve response body into one list of Docs per query."""
-  result = payload.get("result") if isinstance(payload, dict) else None
-  if not isinstance(result, list) or len(result) != n_queries:
-    raise RetrieverError(f"expected {{'result': [...]}} with {n_queries} lists, got "
-                         f"{json.dumps(payload)[:200]}")
-  out = []
-  for hits in result:
-    if not isinstance(hits, list):
-      raise RetrieverError(f"expected a list of hits per query, got {hits!r:.80}")
-    docs = []
-    for hit in hits:
-      if isinstance(hit, dict) and "document" in hit:
-        docs.append(doc_from_json(hit["document"], hit.get("score", 0.0)))
-      else:
-        docs.append(doc_from_json(hit))
-    out.append(docs)
-  return out
+# Bytes of headers (and read-ahead) received beyond `max_response_bytes` before the answer counts
+# as oversized; error bodies are read up to this many bytes for their message.
+_HEADER_BYTES = 64 * 1024
 
 
 # ----------------------------------------------------------------------------- client
@@ -124,9 +61,11 @@ class HTTPRetriever:
   `RetrieverUnavailableError` names the URL. Other 4xx answers (400, 404, 413, ...) raise
   `RetrieverError` with the server's message at once, since repeating a bad request cannot help.
 
-  A hung server costs one request at most `worst_case_s` seconds: `timeout_s` bounds the
-  connection, every read and the whole body read of each attempt. At most `k` documents per query
-  are kept, and an answer larger than `max_response_bytes` is an error (not retried).
+  A hung server costs one request at most `worst_case_s` seconds: `timeout_s` bounds each attempt
+  in all (connecting, sending, the headers and the body, however slowly they trickle in). At most
+  `k` documents per query are kept; an answer (headers and error bodies included) larger than
+  `max_response_bytes` and a redirect (not followed, whichever host it names) are errors, not
+  retried.
 
   `stats(reset=...)` reports requests, retries, timeouts, errors and per-attempt latency.
   """
@@ -151,8 +90,7 @@ class HTTPRetriever:
     self.max_request_bytes, self.max_response_bytes = max_request_bytes, max_response_bytes
     # Retrieval servers run beside the trainer; a cluster-wide HTTP proxy from the environment
     # would otherwise capture (and usually break) that local traffic.
-    handlers = [] if use_env_proxy else [urllib.request.ProxyHandler({})]
-    self._opener = urllib.request.build_opener(*handlers)
+    self._proxy_handlers = [] if use_env_proxy else [urllib.request.ProxyHandler({})]
     self._stats_lock = threading.Lock()
     self._stats = _zero_stats()
 
@@ -160,7 +98,8 @@ class HTTPRetriever:
     return f"HTTPRetriever({self.url!r}, batch_size={self.batch_size})"
 
   def worst_case_s(self, retries: int | None = None) -> float:
-    """Upper bound (network stalls aside) of one request's time against a hung server."""
+    """Upper bound of one request's time against a hung or trickling server (a slow DNS lookup
+    of the URL's host aside)."""
     retries = self.max_retries if retries is None else retries
     sleeps = sum(min(self.backoff_s * 2 ** i, self.max_backoff_s) for i in range(retries))
     return self.timeout_s * (retries + 1) + sleeps
@@ -234,17 +173,27 @@ class HTTPRetriever:
         time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
       request = urllib.request.Request(url, data=body, headers=headers, method=method)
       t0 = time.monotonic()
+      deadline = t0 + self.timeout_s
       try:
-        with self._opener.open(request, timeout=self.timeout_s) as response:
-          raw = self._read(response, t0, url)
+        with self._opener(deadline).open(request, timeout=self.timeout_s) as response:
+          raw = self._read(response, deadline, url)
       except urllib.error.HTTPError as e:
-        message = _error_message(e)
+        message = self._error_message(e, deadline)
         self._timed(t0)
         if e.code >= 500 or e.code == 429:
           last = RetrieverError(f"HTTP {e.code}: {message}")
           continue
         self._count(errors=1)
+        if 300 <= e.code < 400:
+          raise _ClientError(f"{method} {url} answered HTTP {e.code}, a redirect to "
+                             f"{preview(e.headers.get('Location'), 200)}; the client follows no "
+                             f"redirects (point retriever.url at the server itself)") from None
         raise _ClientError(f"{method} {url} failed with HTTP {e.code}: {message}") from None
+      except BudgetExceeded:
+        self._timed(t0)
+        self._count(errors=1)
+        raise _ClientError(f"{url} sent more than max_response_bytes={self.max_response_bytes} "
+                           f"bytes (with its headers)") from None
       except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         # Refused or reset connections, timeouts, servers that hang up mid-answer.
         self._timed(t0)
@@ -254,7 +203,7 @@ class HTTPRetriever:
         continue
       self._timed(t0)
       try:
-        return json.loads(raw)
+        return loads_bounded(raw)
       except ValueError:
         # A torn or garbled body from a flaky server or proxy: as transient as a 5xx, retried.
         last = RetrieverError(f"{method} {url} returned non-JSON: {raw[:200]!r}")
@@ -262,27 +211,52 @@ class HTTPRetriever:
     self._count(errors=1)
     raise _Unavailable(url, retries + 1, last)
 
-  def _read(self, response, t0: float, url: str) -> bytes:
-    """The body, read in chunks so that neither a trickling server (past `timeout_s` in all) nor
-    a huge answer (past `max_response_bytes`) can hold the caller."""
-    length = response.headers.get("Content-Length")
-    if length is not None and length.isdigit() and int(length) > self.max_response_bytes:
-      self._count(errors=1)
-      raise _ClientError(f"{url} answered {length} bytes, over max_response_bytes="
-                         f"{self.max_response_bytes}; ask for fewer queries or a smaller topk")
+  def _opener(self, deadline: float) -> urllib.request.OpenerDirector:
+    """An opener whose connections keep to `deadline` and the byte budget, and that follows no
+    redirect (a 3xx comes back as an HTTPError)."""
+    budget = self.max_response_bytes + _HEADER_BYTES
+    return urllib.request.build_opener(
+        *self._proxy_handlers, _NoRedirect(), _BoundedHTTPHandler(deadline, budget),
+        _BoundedHTTPSHandler(deadline, budget))
+
+  def _read(self, response, deadline: float, url: str, limit: int | None = None) -> bytes:
+    """The body, read in chunks so that neither a trickling server (past the attempt's deadline)
+    nor a huge answer (past `max_response_bytes`) can hold the caller. With `limit` (error
+    bodies), the first `limit` bytes, the rest left unread."""
+    if limit is None:
+      length = response.headers.get("Content-Length")
+      if length is not None and length.isdigit() and int(length) > self.max_response_bytes:
+        self._count(errors=1)
+        raise _ClientError(f"{url} answered {length} bytes, over max_response_bytes="
+                           f"{self.max_response_bytes}; ask for fewer queries or a smaller topk")
     chunks, size = [], 0
-    while True:
-      chunk = response.read1(1 << 16)  # One recv at most: a trickle cannot stretch it.
+    while limit is None or size < limit:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"reading the answer took over timeout_s={self.timeout_s}s")
+      chunk = response.read1(1 << 16 if limit is None else min(1 << 16, limit - size))
       if not chunk:
-        return b"".join(chunks)
+        break
       chunks.append(chunk)
       size += len(chunk)
-      if size > self.max_response_bytes:
+      if limit is None and size > self.max_response_bytes:
         self._count(errors=1)
         raise _ClientError(f"{url} answered more than max_response_bytes="
                            f"{self.max_response_bytes} bytes")
-      if time.monotonic() - t0 > self.timeout_s:
-        raise TimeoutError(f"reading the answer took over timeout_s={self.timeout_s}s")
+    return b"".join(chunks)
+
+  def _error_message(self, error: urllib.error.HTTPError, deadline: float) -> str:
+    """The `error` field of an error answer's JSON body (its first bytes only, read within the
+    attempt's deadline), else the reason phrase."""
+    try:
+      raw = self._read(error, deadline, error.filename, limit=min(self.max_response_bytes,
+                                                                 _HEADER_BYTES))
+      message = loads_bounded(raw).get("error", "")
+      return message[:1000] if isinstance(message, str) else preview(message)
+    except Exception:  # A non-JSON, cut or unreadable error page: the reason phrase will do.
+      return str(error.reason)[:200]
+    finally:
+      if error.fp is not None:
+        error.close()
 
   def _timed(self, t0: float) -> None:
     dt = time.monotonic() - t0
@@ -315,244 +289,66 @@ def _encode_body(body: dict) -> bytes:
   return json.dumps(body).encode("utf-8")
 
 
-def _error_message(error: urllib.error.HTTPError) -> str:
-  try:
-    return json.loads(error.read()).get("error", "")
-  except Exception:  # A non-JSON error page: the reason phrase will do.
-    return str(error.reason)
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+  """Follows no redirect: the 3xx comes back as an HTTPError (`_request` names its target)."""
+
+  def redirect_request(self, req, fp, code, msg, headers, newurl):
+    return None
 
 
-# ----------------------------------------------------------------------------- server
+class _BoundedConnection:
+  """An http.client connection (mixin) that connects within `deadline` and reads and writes
+  through a `BoundedSocket` (the deadline and a byte budget for everything received)."""
+
+  deadline: float
+  budget: float
+
+  def connect(self) -> None:
+    self.timeout = max(1e-3, self.deadline - time.monotonic())
+    super().connect()
+    self.sock = BoundedSocket(self.sock, self.deadline, self.budget)
 
 
-class _BadRequest(ValueError):
+class _BoundedHTTPConnection(_BoundedConnection, http.client.HTTPConnection):
   pass
 
 
-def _parse_retrieve(body: Any, max_topk: int) -> tuple[list[str], int, bool]:
-  if not isinstance(body, dict):
-    raise _BadRequest("request body must be a JSON object")
-  queries = body.get("queries")
-  if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-    raise _BadRequest("'queries' must be a list of strings")
-  topk = body.get("topk", 3)  # Search-R1's default.
-  if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= max_topk:
-    raise _BadRequest(f"'topk' must be an integer in [1, {max_topk}]")
-  return_scores = body.get("return_scores", False)
-  if not isinstance(return_scores, bool):
-    raise _BadRequest("'return_scores' must be a boolean")
-  return queries, topk, return_scores
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-  server: RetrievalServer
-  protocol_version = "HTTP/1.1"  # Keep-alive: clients send many batches in a row.
-
-  def log_message(self, format, *args):  # noqa: A002 - the base class's signature.
-    logging.debug("retrieval server: " + format, *args)
-
-  def _send(self, status: int, payload: Any) -> None:
-    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode("utf-8")
-    self.send_response(status)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
-
-  def _drain(self, n: int) -> None:
-    deadline = time.monotonic() + _DRAIN_SECONDS
-    while n > 0 and time.monotonic() < deadline:
-      chunk = self.rfile.read(min(n, 1 << 20))
-      if not chunk:
-        return
-      n -= len(chunk)
-
-  def do_GET(self):  # noqa: N802 - http.server's naming.
-    if self.path.rstrip("/") == "/health":
-      self._send(200, {"status": "ok", "retriever": type(self.server.retriever).__name__,
-                       **self.server.counts()})
-    else:
-      self._send(404, {"error": f"no route GET {self.path}; try /health or POST /retrieve"})
-
-  def do_POST(self):  # noqa: N802
-    if self.path.rstrip("/") != "/retrieve":
-      self._send(404, {"error": f"no route POST {self.path}; use /retrieve"})
-      return
-    try:
-      length = int(self.headers.get("Content-Length") or -1)
-    except ValueError:
-      length = -1
-    if length < 0:
-      self.close_connection = True
-      self._send(411, {"error": "a Content-Length header is required"})
-      return
-    limit = self.server.max_body_bytes
-    if length > limit:
-      self.close_connection = True  # Whatever stays unread would corrupt the next request.
-      # Clients send the whole body before reading the answer: read (and drop) a moderately
-      # oversized one so that the client sees this 413 rather than a reset connection, which it
-      # would take for an outage and retry.
-      if length <= _DRAIN_FACTOR * limit:
-        self._drain(length)
-      self._send(413, {"error": f"body of {length} bytes exceeds this server's limit of {limit} "
-                                f"bytes; send fewer queries per request"})
-      return
-    raw = self.rfile.read(length)
-    try:
-      queries, topk, return_scores = _parse_retrieve(json.loads(raw), self.server.max_topk)
-    except (_BadRequest, ValueError) as e:
-      message = str(e) if isinstance(e, _BadRequest) else f"invalid JSON: {e}"
-      self._send(400, {"error": message})
-      return
-    if len(queries) > self.server.max_queries:
-      self._send(413, {"error": f"{len(queries)} queries in one request exceed this server's "
-                                f"limit of {self.server.max_queries}; send smaller batches "
-                                f"(HTTPRetriever batch_size, config retriever.batch_size)"})
-      return
-    try:
-      results = self.server.search(queries, topk)
-    except Exception as e:  # Report the retriever's failure to the client instead of hanging up.
-      logging.exception("retrieval failed")
-      self._send(500, {"error": f"retriever failed: {type(e).__name__}: {e}"})
-      return
-    try:
-      data = _encode_results(results, topk, return_scores, self.server.max_response_bytes)
-    except _TooLarge as e:
-      self._send(413, {"error": str(e)})
-      return
-    self._send(200, data)
-
-
-# An oversized body up to this multiple of the limit is read and dropped (for at most
-# _DRAIN_SECONDS) before the 413 goes out; a larger one gets the 413 and a closed connection.
-_DRAIN_FACTOR = 16
-_DRAIN_SECONDS = 10.0
-
-
-class _TooLarge(ValueError):
+class _BoundedHTTPSConnection(_BoundedConnection, http.client.HTTPSConnection):
   pass
 
 
-def _encode_results(results: list[list[Doc]], topk: int, return_scores: bool,
-                    max_bytes: int) -> bytes:
-  """`{"result": [...]}` as bytes, built query by query; stops as soon as it would exceed
-  `max_bytes` (so an oversized answer is never built in full). At most `topk` hits per query."""
-  parts, size = [], 20
-  for docs in results:
-    if return_scores:
-      hits = [{"document": doc_to_json(d), "score": float(d.score)} for d in docs[:topk]]
-    else:
-      hits = [doc_to_json(d) for d in docs[:topk]]
-    part = json.dumps(hits).encode("utf-8")
-    size += len(part) + 2
-    if size > max_bytes:
-      raise _TooLarge(f"the answer to {len(results)} queries with topk={topk} exceeds this "
-                      f"server's limit of {max_bytes} bytes; ask for fewer queries or a smaller "
-                      f"topk")
-    parts.append(part)
-  return b'{"result": [' + b", ".join(parts) + b"]}"
+class _BoundedHTTPHandler(urllib.request.HTTPHandler):
+  def __init__(self, deadline: float, budget: float):
+    super().__init__()
+    self.deadline, self.budget = deadline, budget
+
+  def _connection(self, host, **kw):
+    conn = self.connection_class(host, **kw)
+    conn.deadline, conn.budget = self.deadline, self.budget
+    return conn
+
+  connection_class = _BoundedHTTPConnection
+
+  def http_open(self, req):
+    return self.do_open(self._connection, req)
 
 
-class RetrievalServer(http.server.ThreadingHTTPServer):
-  """A threaded HTTP server answering /retrieve from a local `Retriever`.
+class _BoundedHTTPSHandler(urllib.request.HTTPSHandler):
+  def __init__(self, deadline: float, budget: float):
+    super().__init__()
+    self.deadline, self.budget = deadline, budget
 
-  Requests with more than `max_queries` queries, a body over `max_body_bytes`, or an answer that
-  would exceed `max_response_bytes` get a 413 with a message.
+  connection_class = _BoundedHTTPSConnection
+  _connection = _BoundedHTTPHandler._connection
 
-  Attributes:
-    url: "http://host:port", with the port actually bound (useful with port 0).
-    requests, queries: how many /retrieve requests and queries were answered (tests count
-      batches with these).
-  """
-
-  daemon_threads = True
-  allow_reuse_address = True
-
-  def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-               max_topk: int = 1000, max_queries: int = MAX_QUERIES,
-               max_response_bytes: int = MAX_RESPONSE_BYTES, max_body_bytes: int = MAX_BODY_BYTES):
-    if max_topk < 1 or max_queries < 1 or min(max_response_bytes, max_body_bytes) < 1024:
-      raise ValueError("max_topk and max_queries must be >= 1, max_response_bytes and "
-                       "max_body_bytes >= 1024")
-    self.retriever, self.max_topk = retriever, max_topk
-    self.max_queries, self.max_response_bytes = max_queries, max_response_bytes
-    self.max_body_bytes = max_body_bytes
-    self.requests = self.queries = 0
-    # Retrievers promise no thread safety; HTTP parsing stays concurrent, searches take turns.
-    self._search_lock = threading.Lock()
-    self._count_lock = threading.Lock()
-    self._thread: threading.Thread | None = None
-    super().__init__((host, port), _Handler)
-
-  @property
-  def port(self) -> int:
-    return self.server_address[1]
-
-  @property
-  def url(self) -> str:
-    return f"http://{self.server_address[0]}:{self.port}"
-
-  def handle_error(self, request, client_address) -> None:
-    """Logs instead of printing; a client that gave up (timeout) and hung up is routine."""
-    error = sys.exc_info()[1]
-    if isinstance(error, ConnectionError):
-      logging.debug("retrieval server: client %s went away: %s", client_address, error)
-    else:
-      logging.exception("retrieval server: error serving %s", client_address)
-
-  def counts(self) -> dict:
-    with self._count_lock:
-      return {"requests": self.requests, "queries": self.queries}
-
-  def search(self, queries: list[str], k: int) -> list[list[Doc]]:
-    with self._count_lock:
-      self.requests += 1
-      self.queries += len(queries)
-    if not queries:
-      return []
-    with self._search_lock:
-      results = self.retriever.search(queries, k)
-    if len(results) != len(queries):
-      raise RuntimeError(f"retriever returned {len(results)} lists for {len(queries)} queries")
-    return results
-
-  def start(self) -> "RetrievalServer":
-    """Serves in a daemon thread; returns self."""
-    # A short poll interval makes close() return quickly; the idle cost is negligible.
-    self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
-                                    name="retrieval-server", daemon=True)
-    self._thread.start()
-    return self
-
-  def close(self) -> None:
-    """Stops serving and frees the port."""
-    if self._thread is not None:
-      self.shutdown()
-      self._thread.join()
-      self._thread = None
-    self.server_close()
-
-  def __enter__(self) -> "RetrievalServer":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def https_open(self, req):
+    kw = {"context": self._context}
+    if getattr(self, "_check_hostname", None) is not None:  # (Python < 3.12)
+      kw["check_hostname"] = self._check_hostname
+    return self.do_open(self._connection, req, **kw)
 
 
-def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-          start: bool = True, max_topk: int = 1000, max_queries: int = MAX_QUERIES,
-          max_response_bytes: int = MAX_RESPONSE_BYTES,
-          max_body_bytes: int = MAX_BODY_BYTES) -> RetrievalServer:
-  """Binds a `RetrievalServer` for `retriever` (port 0 picks a free port).
-
-  With `start` (the default) it already serves from a daemon thread; otherwise call
-  `server.serve_forever()` yourself. Stop it with `server.close()` or a `with` block.
-  """
-  server = RetrievalServer(retriever, host, port, max_topk=max_topk, max_queries=max_queries,
-                           max_response_bytes=max_response_bytes, max_body_bytes=max_body_bytes)
-  return server.start() if start else server
-
-
-__all__ = ["DEFAULT_PORT", "HTTPRetriever", "MAX_BODY_BYTES", "MAX_QUERIES", "MAX_RESPONSE_BYTES",
-           "RetrievalServer", "RetrieverError", "RetrieverUnavailableError", "doc_from_json",
-           "doc_to_json", "results_from_json", "serve"]
+__all__ = ["DEFAULT_PORT", "HTTPRetriever", "MAX_BODY_BYTES", "MAX_QUERIES", "MAX_QUERY_CHARS",
+           "MAX_RESPONSE_BYTES", "MAX_WORKERS", "RetrievalServer", "RetrieverError",
+           "RetrieverUnavailableError", "TIMEOUT_S", "doc_from_json", "doc_to_json",
+           "results_from_json", "serve"]

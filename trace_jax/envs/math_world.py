@@ -5,7 +5,8 @@ The task (`MathTask`, a `FunctionEnv` task): each turn the policy either calls t
 `<answer> 30 </answer>`, which ends the rollout with reward 1 when `math_verify` finds it equal to
 the gold answer. The calculator is `calculator.calculate` (parsed, never `eval`ed); anything
 malformed (an unclosed tag, no action, a refused expression) gets an error observation, never an
-exception.
+exception. Answers sympy could spend unbounded time on (`9**9**9`, `99999!`) are wrong unchecked
+(`too_costly`).
 
 The embedded generator (`generate_math_world`) writes problems procedurally from templates, each
 a few calculator steps, with an expert that solves them and a *planted systematic mistake* per
@@ -26,6 +27,7 @@ import dataclasses
 import json
 import logging
 import re
+import threading
 from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
@@ -43,6 +45,11 @@ TAGS = (THINK_OPEN, THINK_CLOSE, CALC_OPEN, CALC_CLOSE, RESULT_OPEN, RESULT_CLOS
         ANSWER_CLOSE)
 STOP_STRINGS = (CALC_CLOSE, ANSWER_CLOSE)
 MAX_ANSWER_CHARS = 64  # longer answers are wrong without parsing them
+MAX_GOLD_CHARS = 256  # gold answers (from data files) are bounded too, more loosely
+MAX_EXPONENT_DIGITS = 3  # digits in one exponent of an answer (`too_costly`)
+MAX_POWER_DIGITS = 5000  # about the most digits a power in an answer may have,
+MAX_POWER_TERMS = 100  # and the most terms a symbolic power may expand to (`too_costly`)
+VERIFY_TIMEOUT_S = 2  # math-verify's own timeouts, where they work (the main thread)
 PROMPT = ("solve the problem . use <calculate> expression </calculate> for arithmetic , then "
           "give <answer> number </answer> .\nproblem : {question}\n")
 
@@ -58,18 +65,132 @@ def math_prompt(question: str) -> str:
 
 def answers_match(prediction: Optional[str], golds: Sequence[str]) -> bool:
   """Whether `prediction` equals any gold answer under `math_verify` (numbers, fractions, LaTeX);
-  None, empty or over-long predictions are wrong."""
+  None, empty, over-long or too costly predictions are wrong (see `too_costly`), and so are golds
+  that are. Never raises and never stalls: whatever goes wrong in the check counts as wrong."""
   if not prediction or len(prediction) > MAX_ANSWER_CHARS:
     return False
+  prediction = squash_digits(prediction)
+  golds = [str(g) for g in golds if len(str(g)) <= MAX_GOLD_CHARS and not too_costly(str(g))]
+  if not golds or too_costly(prediction):
+    return False
+  from math_verify.errors import TimeoutException  # a BaseException, not an Exception
+
+  try:
+    return _verify(prediction, golds)
+  except (Exception, TimeoutException):  # noqa: BLE001 - a malformed answer is a wrong one
+    logging.getLogger(__name__).debug("answer check failed on %r", prediction, exc_info=True)
+    return False
+
+
+def _verify(prediction: str, golds: list[str]) -> bool:
   from math_verify import parse, verify
 
   logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice
-  # Timeouts off: they use signals, which only the main thread may set; the inputs are short.
-  pred = parse(squash_digits(prediction), parsing_timeout=None)
+  # math-verify's timeouts are SIGALRM alarms: only the main thread may set them (elsewhere they
+  # raise). They stop slow Python-level work; `too_costly` keeps out what they cannot stop (one
+  # huge integer power in C, which holds the GIL), in every thread.
+  limit = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+  pred = parse(prediction, parsing_timeout=limit)
   if not pred:
     return False
-  return any(verify(parse(str(g), parsing_timeout=None), pred, timeout_seconds=None)
-             for g in golds)
+  return any(verify(parse(g, parsing_timeout=limit), pred, timeout_seconds=limit) for g in golds)
+
+
+# Operations whose cost grows with the value of their arguments rather than with the length of the
+# text, which sympy would evaluate: factorials, binomials, gamma and zeta, sums, products,
+# integrals, limits, `\operatorname{zeros}(n, n)` and its kin, determinants.
+_COSTLY = re.compile(r"!|\\(?:[dt]?binom|choose|Gamma|gamma|zeta|sum|prod|i*int|oint|lim|"
+                     r"operatorname|det)(?![a-zA-Z])")
+# What an exponent may be: a number, a symbol, or a group of those with + - * / . and a few
+# commands (`2^{-3}`, `x^{n+1}`, `2^{\frac{1}{3}}`, `e^{i\pi}`); never another power.
+_SYMBOLS = r"pi|alpha|beta|theta|phi|tau|omega|circ|prime"
+_EXPONENT_TOKEN = re.compile(rf"[+-]?(?:\d+(?:\.\d*)?|\.\d+|[a-zA-Z]|\\(?:{_SYMBOLS})(?![a-zA-Z]))")
+_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_EXPONENT_GROUP = re.compile(rf"(?:[\w+\-*/.,(){{}} ]|\\(?:[dt]?frac|cdot|times|left|right|"
+                             rf"{_SYMBOLS})(?![a-zA-Z]))*")
+
+
+def too_costly(text: str) -> bool:
+  """Whether checking `text` could cost sympy far more than its length suggests: an operation of
+  `_COSTLY`, an exponent that is not a short number, symbol or group of those (no towers such as
+  `9**9**9` or `9^{9^9}`), more than MAX_EXPONENT_DIGITS digits in one exponent, or a power too
+  large. A power's size is its base's size times its exponent (a symbol or small expression
+  counts as 10 ** its digits): a number's size is its digits, a bracketed base's the largest size
+  met so far at its level (`(9^99)^99` is 99 * 99), and the result must stay under about
+  MAX_POWER_DIGITS digits; a base with s symbols raised to e expands to up to e ** s terms, which
+  must stay under MAX_POWER_TERMS (`(x+y+z)^{99}`)."""
+  t = re.sub(r"\s+", "", text).replace("\\!", "")  # `* *` is read as `**`; `\!` is a space
+  if _COSTLY.search(t):
+    return True
+  t = t.replace("**", "^")
+  levels = [1]  # per open bracket: the largest power size inside it so far
+  i = 0
+  while i < len(t):
+    ch = t[i]
+    if ch in "{([":
+      levels.append(1)
+    elif ch in "})]":
+      inner = levels.pop() if len(levels) > 1 else 1
+      levels[-1] = max(levels[-1], inner)
+    elif ch == "^":
+      base, symbols = _base_size(t, i, levels[-1])
+      weight, i = _exponent_weight(t, i + 1)
+      if weight is None:
+        return True
+      size = base * weight ** max(symbols, 1)
+      if size > (MAX_POWER_TERMS if symbols else MAX_POWER_DIGITS):
+        return True
+      levels[-1] = max(levels[-1], size)
+      continue
+    i += 1
+  return False
+
+
+def _base_size(t: str, caret: int, level: int) -> tuple[int, int]:
+  """(size, symbols) of the base of the power at `t[caret]` (see `too_costly`)."""
+  if caret and t[caret - 1] in "})]":
+    depth, j = 0, caret - 1
+    while j >= 0:
+      depth += (t[j] in "})]") - (t[j] in "{([")
+      if depth == 0:
+        break
+      j -= 1
+    group = re.sub(r"\\[a-zA-Z]+", "", t[max(j, 0):caret])  # commands are not symbols
+    return level, len({c for c in group if c.isalpha()})
+  if re.search(r"(?<!\\)\b[a-zA-Z]$", t[:caret]):  # one symbol: x^2
+    return 1, 1
+  return max(1, sum(c.isdigit() for c in re.search(r"[\d.]*$", t[:caret]).group())), 0
+
+
+def _exponent_weight(t: str, start: int) -> tuple[Optional[int], int]:
+  """(weight, end) of the exponent at `t[start:]`: a number weighs itself (at least 2), a symbol or
+  small expression 10 ** its digits; None when the exponent is not allowed (`too_costly`)."""
+  if t[start:start + 1] in ("{", "("):
+    end = _group_end(t, start)
+    if end < 0 or not _EXPONENT_GROUP.fullmatch(t[start + 1:end]):
+      return None, start
+    exponent, end = t[start + 1:end], end + 1
+  else:
+    m = _EXPONENT_TOKEN.match(t, start)
+    if not m:
+      return None, start
+    exponent, end = m.group(), m.end()
+  digits = sum(ch.isdigit() for ch in exponent)
+  if digits > MAX_EXPONENT_DIGITS or t.startswith("^", end):  # a tower: x^a^b
+    return None, start
+  literal = exponent.lstrip("+-")
+  return (max(2, int(float(literal))) if _NUMBER.fullmatch(literal) else 10 ** digits), end
+
+
+def _group_end(text: str, start: int) -> int:
+  """The index of the bracket closing the one at `text[start]`, -1 when it is not closed."""
+  depth = 0
+  for j in range(start, len(text)):
+    depth += text[j] in "{(["
+    depth -= text[j] in "})]"
+    if depth == 0:
+      return j
+  return -1
 
 
 class MathTask:
@@ -100,7 +221,10 @@ class MathTask:
     self.counters["calculations"] += 1
     try:
       value = format_value(calculate(squash_digits(expr)))
-    except CalculatorError as e:
+    except (CalculatorError, ArithmeticError, ValueError, RecursionError, MemoryError) as e:
+      # CalculatorError explains itself; anything else the calculator let through is still the
+      # policy's malformed input, never the run's failure.
+      e = e if isinstance(e, CalculatorError) else CalculatorError("not an arithmetic expression")
       self.counters["calculator_errors"] += 1
       return StepResult(f"{RESULT_OPEN} error : {e} {RESULT_CLOSE}", False, 0.0,
                         {"action": "calculate", "error": str(e)})
@@ -371,4 +495,4 @@ def read_math_jsonl(path: str) -> list[MathProblem]:
 __all__ = ["MathProblem", "MathTask", "MathWorld", "MathWorldConfig", "TEMPLATES",
            "answers_match", "build_math_tokenizer", "expert_segments", "final_answer",
            "generate_math_world", "make_math_env", "math_prompt", "read_math_jsonl",
-           "solution", "squash_digits"]
+           "solution", "squash_digits", "too_costly"]

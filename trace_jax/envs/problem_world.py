@@ -4,11 +4,12 @@ expert's rate per template, a file format, and how the rates are drawn."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, ClassVar
 
 import numpy as np
+
+from trace_jax.fileio import CorruptFileError, atomic_write_json, read_json
 
 
 def stratified_rates(rng: np.random.Generator, k: int, lo: float, hi: float,
@@ -45,18 +46,19 @@ class ProblemWorld:
 
   def save(self, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, self.FILE), "w") as f:
-      json.dump(dict(config=dataclasses.asdict(self.config), expert_rates=self.expert_rates,
-                     train=[dataclasses.asdict(p) for p in self.train],
-                     test=[dataclasses.asdict(p) for p in self.test]), f)
+    atomic_write_json(os.path.join(directory, self.FILE),
+                      dict(config=dataclasses.asdict(self.config), expert_rates=self.expert_rates,
+                           train=[dataclasses.asdict(p) for p in self.train],
+                           test=[dataclasses.asdict(p) for p in self.test]))
 
   @classmethod
   def load(cls, directory: str):
     path = os.path.join(directory, cls.FILE)
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path} not found: not a directory written by {cls.__name__}.save")
-    with open(path) as f:
-      p = json.load(f)
+    p = read_json(path)
+    if not isinstance(p, dict) or not {"config", "train", "test", "expert_rates"} <= set(p):
+      raise CorruptFileError(f"{path}: not a complete {cls.__name__} (delete it to rebuild)")
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
     return cls(cls.CONFIG(**cfg), [cls.PROBLEM(**x) for x in p["train"]],
                [cls.PROBLEM(**x) for x in p["test"]], p["expert_rates"])

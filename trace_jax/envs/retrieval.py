@@ -17,6 +17,7 @@ import bm25s
 import numpy as np
 
 from trace_jax.envs.types import Doc
+from trace_jax.fileio import atomic_write_json
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 STOPWORDS_EN = frozenset(bm25s.stopwords.STOPWORDS_EN)
@@ -150,8 +151,9 @@ class BM25Retriever:
     os.makedirs(directory, exist_ok=True)
     write_corpus_jsonl(self.docs, os.path.join(directory, _DOCS_FILE))
     self._bm25.save(os.path.join(directory, _INDEX_DIR))
-    with open(os.path.join(directory, _META_FILE), "w") as f:
-      json.dump({"k1": self.k1, "b": self.b, "n_docs": len(self.docs)}, f)
+    # The parameters last, atomically: a directory with them is complete.
+    atomic_write_json(os.path.join(directory, _META_FILE),
+                      {"k1": self.k1, "b": self.b, "n_docs": len(self.docs)})
 
   @classmethod
   def load(cls, directory: str) -> "BM25Retriever":

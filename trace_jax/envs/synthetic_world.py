@@ -17,7 +17,6 @@ The schema (relations, wordings, templates) lives in `synthetic_schema`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Optional, Sequence
@@ -31,6 +30,7 @@ from trace_jax.envs.synthetic_schema import (  # noqa: F401  (some names re-expo
     TYPE_INTROS, Relation,
 )
 from trace_jax.envs.types import Doc
+from trace_jax.fileio import CorruptFileError, atomic_write_json, read_json
 
 
 @dataclasses.dataclass
@@ -190,20 +190,28 @@ class World:
       payload["relations"] = {k: dataclasses.asdict(r) for k, r in self.relations.items()}
       payload["lessons"] = self.lessons
       payload["generation"] = self.generation
-    with open(os.path.join(directory, "world.json"), "w") as f:
-      json.dump(payload, f)
+    # Atomic: a run killed mid-write leaves no torn world.json for the next run to take as done.
+    atomic_write_json(os.path.join(directory, "world.json"), payload)
 
   @classmethod
   def load(cls, directory: str) -> "World":
     path = os.path.join(directory, "world.json")
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path} not found: not a directory written by World.save")
-    with open(path) as f:
-      p = json.load(f)
+    p = read_json(path)  # CorruptFileError (a ValueError) for a torn or garbled file
+    if not isinstance(p, dict):
+      raise CorruptFileError(path, "not a JSON object")
     version = p.get("format_version", 1)  # Files written before the field existed are v1.
     if version != _FORMAT_VERSION:
       raise ValueError(f"{path}: format_version {version!r}, expected "
                        f"{_FORMAT_VERSION}; regenerate the world from its seed")
+    try:
+      return cls._from_payload(p)
+    except (KeyError, TypeError, AttributeError) as e:  # valid JSON, not a whole world
+      raise CorruptFileError(path, f"{type(e).__name__}: {e}") from None
+
+  @classmethod
+  def _from_payload(cls, p: dict) -> "World":
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in p["config"].items()}
     extra = {}
     if "relations" in p:

@@ -5,12 +5,24 @@ global mesh: host objects gathered from every process (`allgather_object`), arra
 process's own devices and the global mesh (`put_global`, `fetch`, `to_local`), and the block of the
 mesh a process owns (`local_mesh`). With one process each helper is the identity or its plain
 single-process counterpart.
+
+Host objects travel as data, never as pickles (a pickle from a peer runs whatever code it names):
+`encode_object` / `decode_object` write a JSON header followed by raw array bytes, and round-trip
+exactly None, bool, int, float, str, bytes, list, tuple, dict (any encodable keys, order kept),
+numpy arrays and scalars of numeric dtypes (bfloat16 included), and instances of the data classes
+registered with `register_wire_type` (rollout `Tree`s and their `Node`s are known by name); the
+sender refuses anything else with a TypeError, the receiver any other type name with a ValueError.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import json
+import math
 import os
-import pickle
+import struct
+import sys
 
 import jax
 import numpy as np
@@ -99,16 +111,184 @@ def _timeout_ms() -> int:
   return int(float(os.environ.get("TRACE_JAX_GATHER_TIMEOUT") or 3600) * 1000)
 
 
+# ---- the wire format of host objects: a JSON header, then raw buffers (never pickle) ----------
+_MAGIC = b"TJW1"
+# Data classes known by name without registration (the rollout trees `ProcessShardedEngine`
+# gathers). The receiver only looks them up among modules it has already imported.
+_KNOWN_TYPES = ("trace_jax.sampling.tree.Tree", "trace_jax.sampling.tree.Node")
+_WIRE_TYPES: dict[str, type] = {}
+
+
+def register_wire_type(cls: type) -> type:
+  """Lets instances of the data class `cls` travel through `allgather_object` and its kin: its
+  instance `__dict__` is sent (every value encodable) and set on a new instance without calling
+  `__init__` on the receiving side. Usable as a class decorator."""
+  if not isinstance(cls, type) or "__slots__" in vars(cls):
+    raise TypeError(f"register_wire_type needs a class whose instances have a __dict__, "
+                    f"got {cls!r}")
+  _WIRE_TYPES[_type_name(cls)] = cls
+  return cls
+
+
+def _type_name(cls: type) -> str:
+  return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _wire_type(name: str) -> type | None:
+  if name in _WIRE_TYPES:
+    return _WIRE_TYPES[name]
+  if name in _KNOWN_TYPES:
+    module, _, qualname = name.rpartition(".")
+    cls = getattr(sys.modules.get(module), qualname, None)
+    return cls if isinstance(cls, type) else None
+  return None
+
+
+@functools.cache
+def _wire_dtypes() -> dict:
+  """The dtypes arrays may have on the wire, by name."""
+  names = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+           "float16", "float32", "float64", "complex64", "complex128"]
+  out = {n: np.dtype(n) for n in names}
+  import ml_dtypes  # (installed with jax)
+  for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+    if hasattr(ml_dtypes, n):
+      out[n] = np.dtype(getattr(ml_dtypes, n))
+  return out
+
+
+def encode_object(obj) -> bytes:
+  """`obj` as bytes for a peer (see the module docstring for the types); TypeError naming the
+  first value of another type."""
+  buffers: list[bytes] = []
+  header = json.dumps({"v": _encode(obj, buffers), "b": [len(b) for b in buffers]},
+                      separators=(",", ":")).encode("utf-8")
+  return b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *buffers])
+
+
+def decode_object(blob: bytes):
+  """The value `encode_object` wrote; ValueError for anything malformed (never runs code)."""
+  blob = bytes(blob)
+  if blob[:4] != _MAGIC or len(blob) < 12:
+    raise ValueError("not an encoded host object (a peer of another version, or corrupt data)")
+  (n,) = struct.unpack("<Q", blob[4:12])
+  try:
+    header = json.loads(blob[12:12 + n].decode("utf-8"))
+    sizes = header["b"]
+    if not isinstance(sizes, list) or not all(type(x) is int and x >= 0 for x in sizes):
+      raise ValueError("bad buffer table")
+    offsets = list(itertools.accumulate(sizes, initial=12 + n))
+    if offsets[-1] != len(blob):
+      raise ValueError(f"{len(blob)} bytes, the header describes {offsets[-1]}")
+    buffers = [blob[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return _decode(header["v"], buffers)
+  except (KeyError, TypeError, IndexError, AttributeError, RecursionError,
+          UnicodeDecodeError) as e:
+    raise ValueError(f"malformed host object: {type(e).__name__}: {e}") from None
+
+
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
+def _encode(x, buffers: list):
+  t = type(x)
+  if t in _SCALARS:
+    return x
+  if t is list:
+    return x if all(type(v) in _SCALARS for v in x) else [_encode(v, buffers) for v in x]
+  if t is tuple:
+    return {"$": "tuple", "v": _encode(list(x), buffers)}
+  if t is dict:
+    if all(type(k) is str for k in x):
+      return {"$": "dict", "d": {k: _encode(v, buffers) for k, v in x.items()}}
+    return {"$": "dict", "k": _encode(list(x), buffers), "v": _encode(list(x.values()), buffers)}
+  if t is bytes:
+    buffers.append(x)
+    return {"$": "bytes", "b": len(buffers) - 1}
+  if t is np.ndarray or isinstance(x, np.generic):
+    arr = np.asarray(x)
+    if arr.dtype.name not in _wire_dtypes():
+      raise TypeError(f"numpy dtype {arr.dtype} cannot be sent to other processes (numeric "
+                      f"dtypes only)")
+    if arr.dtype.byteorder == ">":
+      arr = arr.astype(arr.dtype.newbyteorder("="))
+    buffers.append(np.ascontiguousarray(arr).tobytes())
+    return {"$": "nd" if t is np.ndarray else "np", "dtype": arr.dtype.name,
+            "shape": list(arr.shape), "b": len(buffers) - 1}
+  name = _type_name(t)
+  if _wire_type(name) is t and hasattr(x, "__dict__"):
+    return {"$": "obj", "type": name, "state": _encode(dict(vars(x)), buffers)}
+  raise TypeError(f"a {name} cannot be sent to other processes; send plain data (None, bool, "
+                  f"int, float, str, bytes, list, tuple, dict, numpy arrays) or register its "
+                  f"class with trace_jax.parallel.distributed.register_wire_type")
+
+
+def _decode(x, buffers: list):
+  if type(x) in _SCALARS:
+    return x
+  if type(x) is list:
+    return x if all(type(v) in _SCALARS for v in x) else [_decode(v, buffers) for v in x]
+  if type(x) is not dict:
+    raise ValueError(f"unexpected {type(x).__name__} in a host object")
+  tag = x.get("$")
+  if tag == "tuple":
+    return tuple(_decode_list(x["v"], buffers))
+  if tag == "dict":
+    if "d" in x:
+      if type(x["d"]) is not dict:
+        raise ValueError("a dict without its items")
+      return {k: _decode(v, buffers) for k, v in x["d"].items()}
+    keys, values = _decode_list(x["k"], buffers), _decode_list(x["v"], buffers)
+    if len(keys) != len(values):
+      raise ValueError("a dict with more keys than values")
+    return dict(zip(keys, values))
+  if tag == "bytes":
+    return _buffer(buffers, x["b"])
+  if tag in ("nd", "np"):
+    dtype = _wire_dtypes().get(x["dtype"])
+    shape = x["shape"]
+    if dtype is None or not all(type(d) is int and d >= 0 for d in shape):
+      raise ValueError(f"bad array header: dtype {x['dtype']!r}, shape {shape!r}")
+    data = _buffer(buffers, x["b"])
+    if len(data) != math.prod(shape) * dtype.itemsize:
+      raise ValueError(f"array of shape {shape} and dtype {dtype} with {len(data)} bytes")
+    arr = np.frombuffer(data, dtype).reshape(shape).copy()
+    return arr if tag == "nd" else arr[()]
+  if tag == "obj":
+    cls = _wire_type(x["type"]) if isinstance(x["type"], str) else None
+    if cls is None:
+      raise ValueError(f"type {str(x['type'])[:100]!r} is not one this process accepts")
+    state = _decode(x["state"], buffers)
+    if type(state) is not dict or not all(type(k) is str for k in state):
+      raise ValueError(f"bad state for {x['type']}")
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+  raise ValueError(f"unknown tag {str(tag)[:50]!r} in a host object")
+
+
+def _decode_list(x, buffers: list) -> list:
+  if type(x) is not list:
+    raise ValueError(f"expected a list in a host object, got {type(x).__name__}")
+  return _decode(x, buffers)
+
+
+def _buffer(buffers: list, i) -> bytes:
+  if type(i) is not int or not 0 <= i < len(buffers):
+    raise ValueError(f"bad buffer index {str(i)[:20]}")
+  return buffers[i]
+
+
 def allgather_object(obj) -> list:
-  """Every process's `obj` (picklable), in process order, on every process. A collective: every
-  process must call it, in the same order (it waits for the others, up to the gather timeout).
-  With one process: `[obj]`."""
+  """Every process's `obj` (of a type `encode_object` takes, else a TypeError before anything is
+  sent), in process order, on every process. A collective: every process must call it, in the
+  same order (it waits for the others, up to the gather timeout). With one process: `[obj]`."""
   if jax.process_count() == 1:
     return [obj]
   client, rank, n = _client(), jax.process_index(), jax.process_count()
   seq = _seq["gather"]
   _seq["gather"] += 1
-  blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  blob = encode_object(obj)
   chunks = [blob[i:i + _CHUNK] for i in range(0, len(blob), _CHUNK)] or [b""]
   base = f"trace_jax/gather/{seq}"
   for i, c in enumerate(chunks):
@@ -117,9 +297,9 @@ def allgather_object(obj) -> list:
   out = []
   for p in range(n):
     k = int(client.blocking_key_value_get(f"{base}/{p}/n", _timeout_ms()))
-    out.append(pickle.loads(b"".join(client.blocking_key_value_get_bytes(f"{base}/{p}/{i}",
-                                                                         _timeout_ms())
-                                     for i in range(k))))
+    out.append(decode_object(b"".join(client.blocking_key_value_get_bytes(f"{base}/{p}/{i}",
+                                                                           _timeout_ms())
+                                       for i in range(k))))
   if seq:  # every process has written this gather, so all have read the previous one: drop it
     client.key_value_delete(f"trace_jax/gather/{seq - 1}/{rank}")
   return out
@@ -135,11 +315,20 @@ def broadcast_object(obj):
 
 def broadcast_arrays(tree):
   """Process 0's pytree of arrays as host-built jnp arrays on every process (`broadcast_object` of
-  their numpy values)."""
+  their numpy values; the pytree's structure is each process's own, its leaves must match process
+  0's in number, shape and dtype)."""
   if jax.process_count() == 1:
     return tree
   import jax.numpy as jnp
-  return jax.tree.map(jnp.asarray, broadcast_object(jax.tree.map(np.asarray, tree)))
+  leaves, treedef = jax.tree.flatten(tree)
+  mine = [np.asarray(x) for x in leaves]
+  values = broadcast_object(mine)
+  if type(values) is not list or len(values) != len(mine) or not all(
+      type(v) is np.ndarray and (v.shape, v.dtype) == (x.shape, x.dtype)
+      for v, x in zip(values, mine)):
+    raise RuntimeError("broadcast_arrays: process 0's arrays differ from this process's in "
+                       "number, shape or dtype")
+  return jax.tree.unflatten(treedef, [jnp.asarray(v) for v in values])
 
 
 def barrier(name: str) -> None:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.fileio import atomic_write_json
 from trace_jax.models.qwen3.config import Qwen3Config, resolve_dtype
 from trace_jax.models.qwen3.model import Qwen3
 from trace_jax.models.safetensors_io import SafetensorsFile, save_file
@@ -214,5 +215,5 @@ def save_pretrained(model: Qwen3, path: str, max_shard_bytes: int = 5 * 2**30,
   if dtype is not None:
     hf["torch_dtype"] = {jnp.float32: "float32", jnp.bfloat16: "bfloat16",
                          jnp.float16: "float16"}[jnp.dtype(resolve_dtype(dtype)).type]
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(hf, f, indent=1)
+  # Atomic (and after the weights): a reader never finds a torn config.json.
+  atomic_write_json(os.path.join(path, "config.json"), hf, indent=1)
