@@ -31,6 +31,7 @@ import glob
 import logging
 import os
 import signal
+import threading
 import sys
 
 from trace_jax.envs.http_retriever import DEFAULT_PORT
@@ -144,15 +145,16 @@ def main(argv=None) -> int:
   n_docs = len(retriever) if hasattr(retriever, "__len__") else "?"
   print(f"serving {what} ({n_docs} docs) on {server.url}", flush=True)
 
-  # SIGTERM (from a job scheduler or a parent process) shuts down like Ctrl-C.
+  # SIGTERM (from a job scheduler or a parent process) and Ctrl-C stop the serving loop from
+  # another thread: an exception raised by the handler could land anywhere in the main thread
+  # (between taking a worker slot and starting its thread, say) and leave the server half shut.
   def _stop(signum, frame):
-    raise KeyboardInterrupt
+    threading.Thread(target=server.shutdown, daemon=True).start()
 
   signal.signal(signal.SIGTERM, _stop)
+  signal.signal(signal.SIGINT, _stop)
   try:
     server.serve_forever(poll_interval=0.2)
-  except KeyboardInterrupt:
-    pass
   finally:
     server.server_close()
     logging.info("retrieval server on %s stopped", server.url)
