@@ -68,6 +68,7 @@ from trace_jax.run_state import (Hooks, LoopState, Run, host_state, load_host_st
                                  wall_seconds)
 from trace_jax.sampling.multiprocess import ProcessShardedEngine, sampling_copy
 from trace_jax.sampling.engine import PromptRequest, SamplerEngine
+from trace_jax.sampling.tree import system_cut_leaves, without_system_cuts
 from trace_jax.warm_start import warm_start
 
 
@@ -383,12 +384,18 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
   for k in ("generated_tokens", "rollouts_started", "prefill_tokens", "tool_calls"):
     key = k.replace("_started", "")
     totals[key] = totals.get(key, 0) + sample.info.get(f"ledger_{k}", 0)
-  seqs = training_units(c, sample.trees)
+  # A leaf the system ended (the KV pool, a failed tool) is no outcome of the policy's: it leaves
+  # values, advantages, the predictor's targets and training; its tokens stay in the ledger.
+  trained = _policy_outcomes(sample.trees)
+  rec.update(system_cut_leaves=system_cut_leaves(sample.all_trees),
+             system_cut_trained=system_cut_leaves(trained))
+  seqs = training_units(c, trained)
   # Only a method whose allocation reads p̂ pays for the extra fit (GRPO and the other uniform
   # methods train the head in the joint update alone, which costs them nothing extra).
   fit_info, train_state = {}, state.train
   if run.driver.strategy.reads_predictor:
-    fit_trees = sample.all_trees + (sample.slice_trees if c.rl.predictor_slice else [])
+    fit_trees = _policy_outcomes(
+        sample.all_trees + (sample.slice_trees if c.rl.predictor_slice else []))
     train_state, fit_info = _fit_predictor(run, state.train, fit_trees)
   run.engine.release(sample.all_trees)
   rec.update(fit_info, generated_tokens_total=totals["generated_tokens"],
@@ -414,6 +421,12 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
                               predictions=predictions[-20000:], er_hist=er_hist)
   run.writer.write(state.step, rec)
   return state, rec
+
+
+def _policy_outcomes(trees) -> list:
+  """`trees` without the leaves the system ended (`sampling.tree.without_system_cuts`)."""
+  out = (without_system_cuts(t) for t in trees)
+  return [t for t in out if t is not None]
 
 
 # ---- summary -------------------------------------------------------------------------------------

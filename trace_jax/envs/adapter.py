@@ -12,6 +12,10 @@ first reset or step where it shows, naming the example, the turn and the cause: 
 continues from its parent's state), a finished turn whose reward is not a finite number, a turn
 that goes on without an observation or whose observation lacks `env.observation_close`, and a
 `step_batch` that returns another number of results than it got states (ValueError).
+
+A finished turn whose `info` has `system_cut` (a reason: the tool failed its retries, a time-out)
+was ended by the system, not by the policy: its node is marked (`truncated="system:<reason>"`) and
+the training loop leaves it out of values, advantages and training (`sampling.tree.is_system_cut`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import copy
 from typing import Sequence
 
 from trace_jax.envs import checks as checks_lib
+from trace_jax.sampling.tree import SYSTEM_CUT_PREFIX
 
 
 class TreeEnvAdapter:
@@ -103,7 +108,10 @@ class TreeEnvAdapter:
     for (ref, _), state, res in zip(calls, states, results):
       key = (ref.tree.uid, ref.node.id)
       self.states[key] = state
-      self.infos[key] = getattr(res, "info", {})
+      self.infos[key] = getattr(res, "info", {}) or {}
+      cut = self.infos[key].get("system_cut") if res.done else None
+      if cut:  # ended by the system (a tool that failed its retries): no outcome of the policy's
+        ref.node.truncated = f"{SYSTEM_CUT_PREFIX}{cut}"
       out.append((res.observation_text, bool(res.done), float(res.reward)))
     return out
 

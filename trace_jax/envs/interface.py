@@ -41,7 +41,9 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-  """observation_text is None when the rollout is done (nothing to append)."""
+  """observation_text is None when the rollout is done (nothing to append). A rollout the system
+  ends (a tool that failed its retries, a time-out), not the policy, says so with
+  `info["system_cut"] = reason`: it is left out of training instead of taught as a failure."""
 
   observation_text: Optional[str]
   done: bool

@@ -333,7 +333,50 @@ def render_png(trees: Sequence[Tree], path: str, cols: int = 4) -> None:
   fig.savefig(path, dpi=100)
 
 
-__all__ = ["Node", "Tree", "load_trees", "render_png", "render_text", "save_trees", "to_flat"]
+# Why a leaf ended that is the system's doing, not the policy's: the KV pool ran out
+# ("pool_exhausted"), or the environment said so ("system:<reason>": a tool that failed its
+# retries, a time-out). Such a leaf's reward says nothing of the policy.
+SYSTEM_CUT_PREFIX = "system:"
+
+
+def is_system_cut(node: Node) -> bool:
+  """Whether `node` is a leaf the system ended (the pool, a failed tool, a time-out)."""
+  return node.done and (node.truncated == "pool_exhausted"
+                        or node.truncated.startswith(SYSTEM_CUT_PREFIX))
+
+
+def system_cut_leaves(trees: Iterable[Tree]) -> int:
+  """How many leaves of `trees` the system ended."""
+  return sum(is_system_cut(n) for t in trees for n in t.nodes)
+
+
+def without_system_cuts(tree: Tree) -> Tree | None:
+  """`tree` without its system-cut leaves and every node only they descend from (ids renumbered,
+  parents before children as before), so values, advantages, predictor targets and training see
+  only outcomes the policy earned; None when no leaf is left. `tree` itself when it has none."""
+  cut = [n.id for n in tree.nodes if is_system_cut(n)]
+  if not cut:
+    return tree
+  keep = set()
+  for leaf in tree.leaves():
+    if not is_system_cut(leaf):
+      keep.update(tree.path(leaf.id))
+  if not keep:
+    return None
+  out = Tree(tree.prompt_ids, uid=tree.uid, meta=tree.meta)
+  out.nodes, remap = [], {}
+  for n in tree.nodes:
+    if n.id in keep:
+      remap[n.id] = len(out.nodes)
+      out.nodes.append(dataclasses.replace(n, id=remap[n.id], parent=remap.get(n.parent, -1),
+                                           children=[]))
+      if n.parent >= 0:
+        out.nodes[remap[n.parent]].children.append(remap[n.id])
+  return out
+
+
+__all__ = ["Node", "SYSTEM_CUT_PREFIX", "Tree", "is_system_cut", "load_trees", "render_png",
+           "render_text", "save_trees", "system_cut_leaves", "to_flat", "without_system_cuts"]
 
 
 def rollout_start_depths(tree) -> list[int]:
