@@ -723,3 +723,22 @@ def test_binned_root_objective_logs_stage_one_trees(engine):
                                                                    for t in s.all_trees))
     engine.release(s.all_trees)
   assert len(driver._root_log) == 2  # the window
+
+
+@pytest.mark.parametrize("prefix_budget", [0, PREFIX_BUDGET])
+def test_rollouts_ahead_with_a_measured_slice_and_any_prefix_budget(engine, prefix_budget):
+  """Rollouts one step ahead start in the step's last engine run: the measured slice's when
+  stage 2 has no budget (they used to start in stage 1 and the slice's run then refused them:
+  "trees started ahead by the last run are still live")."""
+  cfg = DriverConfig(method="trace_tree", metric_slice=2, metric_rollouts=1,
+                     **dict(CFG, prefix_budget=prefix_budget))
+  driver = RolloutDriver(engine, cfg, predict, prompt_features, seed=0)
+  examples = [dict(prompt_ids=p, answers=["x"], id=str(i)) for i, p in enumerate(PROMPTS)]
+  ahead = [dict(e, id=f"next-{e['id']}") for e in examples]
+  first = driver.sample(examples, use_predictor=True, ahead_examples=ahead)
+  assert first.info["slice_n"] > 0 and len(engine.carried) > 0
+  second = driver.sample(ahead, use_predictor=True)  # adopts them
+  assert not engine.carried and len(second.trees) == len(examples)
+  assert all(t.meta["id"].startswith("next-") for t in second.trees)
+  for s in (first, second):
+    engine.release(s.all_trees + s.slice_trees)

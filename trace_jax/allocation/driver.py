@@ -199,16 +199,20 @@ class RolloutDriver:
       slice_trees, slice_p = s2.slice_trees, s2.slice_p
     else:
       stage2_run = self.strategy.has_stage2() and self.cfg.prefix_budget > 0
-      trees = self._sample_roots(examples, plan, adopt, [] if stage2_run else ahead)
+      # When a second engine run follows stage 1 (stage 2, or the measured slice), the rollouts
+      # ahead start there, in its idle slots: started in stage 1, they would still be live when
+      # that run begins, which refuses trees carried from an earlier run.
+      second_run = stage2_run or self._slices(plan.raw_p_hat, use_predictor, len(examples))
+      trees = self._sample_roots(examples, plan, adopt, [] if second_run else ahead)
       stage1 = [Stage1View.of(t) for t in trees]
       s2 = Stage2Decisions()
       s2.decide(self, trees, range(len(trees)), use_predictor, self.cfg.prefix_budget)
       slice_reqs, slice_p = self._slice_requests(examples, plan.raw_p_hat, use_predictor)
       slice_trees = []
-      if s2.forks or slice_reqs or (stage2_run and ahead):
+      if s2.forks or slice_reqs or (second_run and ahead):
         # The measured slice shares the stage-2 run, whose slots are mostly idle anyway; its
         # cost is taken out of this step's ledger below (unless it steers the run).
-        out = self.engine.run(s2.forks + slice_reqs, **_ahead_kw(False, ahead if stage2_run
+        out = self.engine.run(s2.forks + slice_reqs, **_ahead_kw(False, ahead if second_run
                                                                   else ()))
         slice_trees = out[len(out) - len(slice_reqs):] if slice_reqs else []
     predictions = []
@@ -328,12 +332,18 @@ class RolloutDriver:
           tree.meta[kind] = bool(np.isin(i, idx))
 
   # ---- online predictor metrics on a random slice of the pool ------------------------------------
+  def _slices(self, p_root, use_predictor, n_examples: int) -> bool:
+    """Whether this step measures p̂ on a random slice (`_slice_requests` gives requests)."""
+    c = self.cfg
+    return (p_root is not None and use_predictor and c.metric_slice > 0 and c.metric_rollouts > 0
+            and n_examples > 0)
+
   def _slice_requests(self, examples, p_root, use_predictor):
     """A uniformly random slice of the scored pool, sampled outside the budget (not trained on):
     the allocation picks prompts near p̂ = 0.5, which hides how well p̂ ranks prompts, so its
     ranking quality is measured here, on prompts chosen without looking at p̂."""
     c = self.cfg
-    if p_root is None or not use_predictor or c.metric_slice <= 0 or c.metric_rollouts <= 0:
+    if not self._slices(p_root, use_predictor, len(examples)):
       return [], []
     idx = self.rng.choice(len(examples), min(c.metric_slice, len(examples)), replace=False)
     reqs = [PromptRequest(examples[i]["prompt_ids"], int(c.metric_rollouts),
