@@ -77,7 +77,11 @@ def get_config(arg: str | None = None):
     c.rollout.max_per_prompt = 16
     c.rollout.prefix_budget = 256
     c.rollout.num_slots = 256
-    c.rollout.page_size = 64     # the default pool of rollout.num_pages pages of 64 tokens
+    c.rollout.page_size = 64
+    # The worst case of a step (every rollout at max_seq_len, trees held to the step's end) on
+    # the v5p-64 mesh below: 6272 pages per data shard for 8B, 12544 for 14B (`python
+    # launch/plan.py --pages`, results/kv_pages.md); 8192 pages did not hold 8B's largest tree.
+    c.rollout.num_pages = 51200
     c.rollout.prefill_chunk = 512
     c.rl.lr = 1e-6
     c.rl.steps = 200

@@ -38,6 +38,14 @@ _KV_POOL = flags.DEFINE_enum("kv_pool", "sharded", KV_POOL_LAYOUTS, "KV pool lay
                              "sampler), main (heads over tensor only: an engine without a mesh), "
                              "replicated")
 _OUT = flags.DEFINE_string("out", None, "also write the report (markdown) here")
+_PAGES = flags.DEFINE_bool("pages", False, "report every variant's worst-case KV pages per RL "
+                           "step against its pool instead (results/kv_pages.md)")
+# The devices (and mesh, where not the config's) each variant of configs/mhqa.py runs on: a CPU,
+# CI's two processes of 4 devices on its test mesh, a v5p-64 (32 chips) for the paper-scale
+# variants (the slice their memory plans fit).
+VARIANT_DEVICES = {"tiny": (1, None), "lessons": (1, None), "smoke": (1, None),
+                   "real_smoke": (8, "data:2,fsdp:2,tensor:2"), "qwen3_8b": (32, None),
+                   "qwen3_14b": (32, None)}
 _HEADROOM = 0.9  # a plan fits a device when its peak is within 90% of the device's memory
 
 
@@ -224,8 +232,34 @@ def report(c) -> str:
   return "\n".join(lines) + "\n"
 
 
+def pages_report() -> str:
+  """Every variant's worst-case KV pages per RL step against its pool (`trace_jax.kv_demand`)."""
+  from configs import mhqa
+  from trace_jax.config import TrainConfig
+  from trace_jax.kv_demand import format_demand, page_demand
+  from trace_jax.rl.ppo_loop import largest_tree
+
+  rows = []
+  for variant, (devices, mesh) in VARIANT_DEVICES.items():
+    c = TrainConfig.from_dict(mhqa.get_config(variant).to_dict())  # typed, paths not needed
+    c = c.replace(mesh=mesh) if mesh else c
+    rows.append((f"{variant} (`{c.mesh}`)", devices, page_demand(c, devices, largest_tree(c))))
+  return ("Worst-case KV pages per RL step (`python launch/plan.py --pages`): every rollout of a "
+          "step (root and prefix budgets, the measured slice) at env.max_seq_len, no prefix "
+          "shared, trees spread whole over the data x fsdp shards; finished trees keep their "
+          "pages until the step ends.\n\n" + format_demand(rows) + "\n")
+
+
 def main(argv):
   del argv
+  if _PAGES.value:
+    text = pages_report()
+    print(text)
+    if _OUT.value:
+      os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+      with open(_OUT.value, "w") as f:
+        f.write(text)
+    return
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/mhqa.py:qwen3_14b")
   from trace_jax.config import TrainConfig
