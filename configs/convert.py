@@ -127,6 +127,9 @@ def validate(c: TrainConfig) -> None:
                      "priced by the whole step's rollout lengths, known only when stage 1 ends)")
 
   # ---- RL
+  if c.rl.predictor_ensemble == 2:
+    raise ValueError("rl.predictor_ensemble=2 leaves one bootstrap member beside the model's head, "
+                     "which has no spread: use 1 (no uncertainty) or at least 3")
   if c.rl.pack_row_len and c.rl.pack_row_len < c.env.max_seq_len:
     raise ValueError(f"rl.pack_row_len={c.rl.pack_row_len} must be 0 or at least env.max_seq_len="
                      f"{c.env.max_seq_len} (a root path must fit one row)")

@@ -292,3 +292,10 @@ def test_a_value_the_variant_does_not_read_is_refused():
   c = mhqa.get_config("lessons")
   c.world.n_relations = 8  # the lessons world reads it
   runs.check_overrides(c)
+
+
+def test_an_ensemble_of_two_heads_is_refused_up_front():
+  """Two heads leave one bootstrap member beside the model's head: no spread to read."""
+  with pytest.raises(ValueError, match="predictor_ensemble=2"):
+    mhqa.validate(_smoke(rl__predictor_ensemble=2))
+  mhqa.validate(_smoke(rl__predictor_ensemble=3))

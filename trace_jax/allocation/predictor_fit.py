@@ -27,12 +27,14 @@ token ids, so a prompt is always on the same side) is kept out of the fit; each 
 scores the held-out rows, and the fit returns the parameters of the step with the lowest held-out
 loss (the first step's input counts as a candidate, so a fit that only hurts changes nothing).
 
-Ensemble (`ensemble` = K > 1). K - 1 member heads live in the fitter beside the model's head; each
-fit steps every member on its own bootstrap (Poisson(1) weights per row, drawn anew per fit) of
-the same rows, with its own optimizer state. `spread(pred_state, features)` returns the mean and
-variance of p̂ over the K heads: the disagreement of heads fit on resampled data, a standard
-estimate of how far the fit's p̂ can be from what more data would give. Stage 1 turns it into a
-Beta concentration (`allocators.concentration_from_spread`).
+Ensemble (`ensemble` = K > 1; K = 2 is refused). K - 1 member heads live in the fitter beside the
+model's head; each fit steps every member on its own bootstrap (Poisson(1) weights per row, drawn
+anew per fit) of the same rows, with its own optimizer state. `spread(pred_state, features)`
+returns the mean and variance of p̂ over the K - 1 members: the disagreement of heads fit alike on
+resampled data, a standard estimate of how far the fit's p̂ can be from what more data would give.
+The model's head is left out of it: the joint update also trains it, so it differs from the
+members by a systematic gap that is no sampling uncertainty (`spread`). Stage 1 turns the spread
+into a Beta concentration (`allocators.concentration_from_spread`).
 
 Optimizer state. The fitter keeps its own optax state (`state_dict` / `load_state_dict` for
 checkpoints): its weighted full-batch fit and the joint update's per-step fit are two objectives,
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from trace_jax.allocation.holdout import held_out
 from trace_jax.allocation.predictor_loss import predictor_bce
 from trace_jax.sampling.tree import rollout_values
 
@@ -123,15 +125,6 @@ def _member_probs_fn(pred_graphdef):
   return jax.jit(jax.vmap(lambda q, x: nnx.merge(pred_graphdef, q).prob(x), in_axes=(0, None)))
 
 
-def held_out(prompt_ids, share: float) -> bool:
-  """Whether a prompt is in the held-out share: a hash of its token ids, so the same prompt is
-  held out at every step and in every process."""
-  if share <= 0:
-    return False
-  h = zlib.crc32(np.asarray(prompt_ids, np.int64).tobytes())
-  return (h % 10007) < share * 10007
-
-
 def _pad_rows(x, y, w, bucket):
   n = len(y)
   rows = max(-(-n // bucket) * bucket, bucket)  # few shapes, few compiles
@@ -158,8 +151,9 @@ class PredictorFitter:
   `pred_state`: the head's parameters, to create the fitter's own optimizer state now (otherwise
   at the first fit); `state_dict()` / `load_state_dict(d)` save and restore it.
   `holdout`: share of prompts held out of the fit for early stopping (module docstring).
-  `ensemble`: heads in the fit, the model's and ensemble - 1 bootstrap members (module docstring);
-  the members are created from `pred_state` (or at the first fit).
+  `ensemble`: heads in the fit, the model's and ensemble - 1 bootstrap members (module docstring;
+  1, or at least 3 so that the members have a spread); the members are created from `pred_state`
+  (or at the first fit).
   """
 
   def __init__(self, pred_graphdef, tx, steps: int = 50, buffer_steps: int = 4,
@@ -178,6 +172,9 @@ class PredictorFitter:
     self.leaf_weight = float(leaf_weight)
     if not 0.0 <= holdout < 1.0 or ensemble < 1:
       raise ValueError(f"need 0 <= holdout < 1 and ensemble >= 1, got {holdout}, {ensemble}")
+    if ensemble == 2:  # `spread` compares bootstrap members only, and one head has no spread
+      raise ValueError("ensemble=2 leaves one bootstrap member, which has no spread: use 1 (no "
+                       "ensemble) or at least 3 (ensemble - 1 bootstrap members)")
     self.holdout, self.ensemble = float(holdout), int(ensemble)
     self.opt_state = None
     self.members = self.member_opt = None
@@ -224,18 +221,29 @@ class PredictorFitter:
       self.members, self.member_opt = d["members"], d["member_opt"]
 
   def spread(self, pred_state, features):
-    """(mean f32[N], variance f32[N]) of p̂ over the ensemble: the model's head `pred_state` and
-    the members. Without members: (the head's p̂, zeros)."""
+    """(mean f32[N], variance f32[N]) of p̂ over the ensemble's bootstrap members. Without members
+    (`ensemble` = 1): (the head's p̂ under `pred_state`, zeros).
+
+    Only heads fit alike are compared. The model's head `pred_state` is not one of them: the joint
+    update trains it too (every RL step, nodes weighted uniformly, its own optimizer state), and
+    the fitter fits it on the rows themselves rather than on a resample, so it sits apart from the
+    members by a systematic gap that no amount of data closes. Counted in the variance, that gap
+    would pass for the fit's sampling uncertainty and make stage 1's κ too low. The members are
+    exchangeable draws of one procedure (the fit on a Poisson(1) bootstrap of the same rows), so
+    their variance is the bootstrap estimate of the fit's variance, taken in its unbiased
+    (n - 1) form since a run has a few members; the mean is theirs too, so (mean, variance) is one
+    distribution's moment pair (`allocators.concentration_from_spread` reads κ off it; stage 1
+    centres its Beta on the calibrated p̂ of the model's head)."""
     x = np.asarray(features, np.float32)
     n = len(x)
     xp = np.zeros((max(-(-n // 64) * 64, 64), x.shape[1]), np.float32)
     xp[:n] = x
     probs = _member_probs_fn(self.graphdef)
-    main = np.asarray(probs(jax.tree.map(lambda a: jnp.asarray(a)[None], pred_state), xp))
     if self.members is None:
+      main = np.asarray(probs(jax.tree.map(lambda a: jnp.asarray(a)[None], pred_state), xp))
       return main[0, :n], np.zeros(n, np.float32)
-    allp = np.concatenate([main, np.asarray(probs(self.members, xp))])[:, :n]
-    return allp.mean(0).astype(np.float32), allp.var(0).astype(np.float32)
+    allp = np.asarray(probs(self.members, xp), np.float64)[:, :n]
+    return allp.mean(0).astype(np.float32), allp.var(0, ddof=1).astype(np.float32)
 
   # ---- data and fit ------------------------------------------------------------------------------
   def add(self, trees) -> int:

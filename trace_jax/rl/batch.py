@@ -28,6 +28,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from trace_jax.allocation.holdout import held_out
 from trace_jax.rl import advantages as adv_lib
 from trace_jax.sampling.tree import rollout_values
 from trace_jax.sampling.tree import Tree, to_flat
@@ -70,13 +71,16 @@ def node_advantages(flat: dict, kind: str, max_depth: int, normalize: bool = Tru
 
 
 def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize: bool = True,
-                    pred_leaf_weight: float = 0.0, values: str = "children"):
+                    pred_leaf_weight: float = 0.0, values: str = "children",
+                    pred_holdout: float = 0.0):
   """Per-leaf sequences with per-token mask/advantage/old log-prob and per-node predictor targets.
 
   Predictor targets are V(y) over the leaves of rollouts started at y or above
   (`predictor_fit.rollout_values`: stage-2 continuations forked below y were placed by looking at
   y's outcomes and would bias it); each node is weighted once (by the first sequence holding it),
-  leaves by `pred_leaf_weight` (0: allocation never queries them).
+  leaves by `pred_leaf_weight` (0: allocation never queries them). The nodes of a prompt the
+  predictor's fit holds out (`pred_holdout`, the share `rl.predictor_holdout`; `holdout.held_out`)
+  weigh 0, so the joint update never trains the head on what the fit early-stops on.
 
   Returns (list of dicts, flat, node_adv). Each dict: tokens, mask (generated and owned), adv,
   old_logp (i.e. f32/i32 arrays [L]), prompt_len (its first prompt_len tokens are the prompt),
@@ -87,6 +91,7 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
   seqs, offset, owned_tokens, owned_nodes = [], 0, set(), set()
   for t in trees:
     targets, _ = rollout_values(t)
+    hold = held_out(t.prompt_ids, pred_holdout)
     for leaf in t.leaves():
       ids, gen, owner, lps = t.path_tokens(leaf.id)
       gid = owner + offset
@@ -103,7 +108,7 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
         v = targets[nid]
         pos.append(max(end - 1, 0))
         tgt.append(0.0 if v is None else float(v))
-        w.append(0.0 if (g in owned_nodes or v is None) else
+        w.append(0.0 if (g in owned_nodes or v is None or hold) else
                  (pred_leaf_weight if t.nodes[nid].done else 1.0))
         owned_nodes.add(g)
       seqs.append(dict(tokens=ids, mask=mask, adv=np.where(gen, adv[gid], 0.0).astype(np.float32),
@@ -127,7 +132,8 @@ def _preorder(t: Tree, nodes: set) -> list[int]:
 
 def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: int,
                      max_nodes: int, normalize: bool = True, pred_leaf_weight: float = 0.0,
-                     values: str = "children", cut_len: int | None = None):
+                     values: str = "children", cut_len: int | None = None,
+                     pred_holdout: float = 0.0):
   """Tree-packed units (`rl.packing=tree`, see the module docstring): the same trained tokens,
   advantages, old log-probs and predictor targets as `build_sequences`, each node's tokens once
   per unit. A unit fills one row of `row_len` tokens and may hold parts of several trees.
@@ -140,7 +146,8 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
   longer than `cut_len` (default `row_len`; at most `row_len`) is cut there, as `pack_batch` cuts
   a sequence longer than its rows: the cut tokens are untrained in both layouts when `cut_len` is
   the unpacked row length. A `row_len` above it holds whole trees that one path's row cannot.
-  Predictor entries are emitted only where they are weighted (a node's first unit), one per node.
+  Predictor entries are emitted only where they are weighted (a node's first unit), one per node;
+  a prompt the predictor's fit holds out (`pred_holdout`, as in `build_sequences`) has none.
 
   Returns (list of unit dicts, flat, node_adv). A unit dict has the fields of a `build_sequences`
   sequence (tokens, mask, adv, old_logp, pred_pos, pred_target, pred_weight) plus positions, prev
@@ -198,6 +205,7 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
     for ti, nodes in held.items():
       t, toff, start, clip, _, _ = info[ti]
       targets, _ = rollout_values(t)
+      hold = held_out(t.prompt_ids, pred_holdout)
       order = _preorder(t, nodes)
       first, last, base = {}, {}, at
       for nid in order:
@@ -224,7 +232,7 @@ def build_tree_units(trees: Sequence[Tree], kind: str, max_depth: int, row_len: 
           u["prev"][a] = last[n.parent] if nid else a
           u["kv_end"][sl] = end[nid]
         v = targets[nid]
-        wt = pred_leaf_weight if n.done else 1.0
+        wt = 0.0 if hold else (pred_leaf_weight if n.done else 1.0)
         if ((ti, nid) not in owned and v is not None and start[nid] + n.num_tokens <= cut
             and wt > 0):
           for key, val in zip(preds, (last[nid], float(v), wt, base,

@@ -43,10 +43,12 @@ def preds_per_row(c: TrainConfig) -> int:
 def training_units(c: TrainConfig, trees) -> list[dict]:
   """The step's trained trees as the units `pack_batch` lays out: one sequence per leaf
   (`rl.packing=none`) or each tree's nodes once per unit (`tree`), with the method's advantage
-  estimator and the run's value estimator."""
+  estimator and the run's value estimator. The prompts the predictor's fit holds out
+  (`rl.predictor_holdout`) give the head no target here either."""
   kw = dict(kind=strategies.advantage_for(c.method, c.rl.advantage),
             max_depth=c.env.max_turns + 2, normalize=c.rl.normalize_std,
-            pred_leaf_weight=c.rl.predictor_leaf_weight, values=c.rl.tree_values)
+            pred_leaf_weight=c.rl.predictor_leaf_weight, values=c.rl.tree_values,
+            pred_holdout=c.rl.predictor_holdout)
   if c.rl.packing == "tree":
     return build_tree_units(trees, row_len=row_len(c), max_nodes=preds_per_row(c),
                             cut_len=c.env.max_seq_len, **kw)[0]
