@@ -140,8 +140,9 @@ def test_predictor_targets_once_per_node(forest):
 
 
 def test_predictor_targets_leave_out_continuations_forked_below():
-  """A stage-2 continuation forked from n1 counts for n1 and its own nodes, not for the root:
-  the root's target is the mean of the rollouts started at the root only."""
+  """A stage-2 continuation forked from n1 counts for its own nodes only, not for n1 (whose
+  stage-1 outcome placed it) nor the root: the root's target is the mean of the rollouts started
+  at the root."""
   t = Tree([1, 2], uid=0)
   a = t.add_node(0, gen_ids=[5], obs_ids=[6], rollout=0)
   t.add_node(a.id, gen_ids=[7], done=True, reward=0.0, rollout=0)
@@ -153,7 +154,7 @@ def test_predictor_targets_leave_out_continuations_forked_below():
   root_targets = {float(s["pred_target"][0]) for s in seqs}
   assert root_targets == {0.0}                    # only rollouts 0 and 1 started at the root
   n1 = [float(s["pred_target"][1]) for s in seqs if len(s["pred_target"]) == 3]
-  assert set(n1) == {0.75}                        # n1: its own rollout and the three forks
+  assert set(n1) == {0.0}  # n1: its own stage-1 rollout, not the forks its outcome placed
 
 
 @pytest.mark.parametrize("kind", sorted(ADVANTAGES))

@@ -133,9 +133,14 @@ def test_targets_count_only_rollouts_started_at_or_above():
     t.add_node(a.id, done=True, reward=1.0, rollout=r)
   values, counts = rollout_values(t)
   assert values[0] == 0.0 and counts[0] == 2
-  assert values[a.id] == pytest.approx(0.75) and counts[a.id] == 4
+  # n1's own target: the stage-1 outcome through it (the forks were placed because of it);
+  # pooled (for visit weighting, where each leaf is one observation) it counts the forks too.
+  assert values[a.id] == 0.0 and counts[a.id] == 1
+  assert rollout_values(t, per_leaf=True)[0][a.id] == pytest.approx(0.75)
   assert rollout_start_depths(t) == [-1, 0, 0, 0, 1, 1, 1]
   x, y, n, root, _ = node_examples([t], with_meta=True)
+  assert y.tolist()[:2] == [0.0, 0.0] and n.tolist()[:2] == [2.0, 1.0]
+  _, y, n, _, _ = node_examples([t], with_meta=True, per_leaf=True)
   assert y.tolist()[:2] == [0.0, 0.75] and n.tolist()[:2] == [2.0, 4.0]
   t.backup()
   assert t.root.value == pytest.approx(0.6)  # what the biased target would have been

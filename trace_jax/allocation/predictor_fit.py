@@ -8,11 +8,14 @@ rollouts reached 0.81 held out. So after each RL step the head also takes `steps
 steps on a small replay buffer of recent (feature, V(y)) pairs. Features are the final hidden
 states the sampler recorded at each prefix end (what allocation reads), so no extra forward pass.
 
-Targets. V(y) here counts only the leaves of rollouts that started at y or above it
-(`rollout_values`): a continuation stage 2 forked from below y was placed there *because* of the
-outcomes already seen in y's subtree (to flip them), so averaging it into V(y) would pull the
-target of the most extreme prompts toward 0.5. Visit weighting weighs a node by the leaves it
-counts, so each counted leaf is one Bernoulli observation. Leaves (finished trajectories) are never
+Targets (`rollout_values`). A continuation stage 2 forked from below y was placed there *because*
+of the outcomes already seen in y's subtree (to flip them), so it never counts for the nodes above
+its anchor. At a forked anchor itself the rule depends on the weighting: with visit weighting
+(each counted leaf one Bernoulli observation) the anchor's target pools the stage-1 outcome that
+chose it with the continuations (`per_leaf=True`), which is unbiased under that weighting; with
+uniform weighting (one target per node, as the joint update reads them) pooling would weigh the
+selecting outcome by whether it was selected, so the anchor's target is the outcome of the stage-1
+rollout through it alone. Leaves (finished trajectories) are never
 queried at allocation; they get `leaf_weight` (0 by default), so the fit spends itself on the roots
 and turn boundaries allocation reads.
 
@@ -59,14 +62,15 @@ from trace_jax.sampling.tree import rollout_values
 _OWN = object()  # `fit` without an opt_state argument: the fitter's own state
 
 
-def node_examples(trees, with_meta: bool = False):
+def node_examples(trees, with_meta: bool = False, per_leaf: bool = False):
   """(features f32[n, D], targets V(y) f32[n]) of every node with a recorded feature and a value,
-  V(y) from `rollout_values`; with `with_meta` also those nodes' counted leaves n_y f32[n], a root
-  mask bool[n] and a leaf mask bool[n]."""
+  V(y) from `rollout_values` (`per_leaf`: pooled at forked anchors, for visit weighting); with
+  `with_meta` also those nodes' counted leaves n_y f32[n], a root mask bool[n] and a leaf mask
+  bool[n]."""
   feats, vals, counts, roots, leaves = [], [], [], [], []
   for t in trees:
     t.backup()  # callers read node.value / n_leaves as well (the full subtree's)
-    values, n_leaves = rollout_values(t)
+    values, n_leaves = rollout_values(t, per_leaf=per_leaf)
     for n in t.nodes:
       if n.feature is not None and values[n.id] is not None:
         feats.append(np.asarray(n.feature, np.float32))
@@ -247,12 +251,14 @@ class PredictorFitter:
 
   # ---- data and fit ------------------------------------------------------------------------------
   def add(self, trees) -> int:
-    x, y, n, root, leaf = node_examples(trees, with_meta=True)
+    visits = self.weighting == "visits"
+    x, y, n, root, leaf = node_examples(trees, with_meta=True, per_leaf=visits)
     if len(y):
       w = n if self.weighting == "visits" else np.ones_like(y)
       w = np.where(leaf, w * self.leaf_weight, w).astype(np.float32)
       # Each example's prompt on the held-out side or not (node_examples walks trees in order).
-      held = np.concatenate([np.full(_num_examples(t), held_out(t.prompt_ids, self.holdout))
+      held = np.concatenate([np.full(_num_examples(t, visits),
+                                     held_out(t.prompt_ids, self.holdout))
                              for t in trees]).astype(bool)
       self.buffer.append((x[~root], y[~root], w[~root], leaf[~root], held[~root]))
       prompts = [t.prompt_ids for t in trees
@@ -329,7 +335,7 @@ class PredictorFitter:
     return done(pred_state, info)
 
 
-def _num_examples(tree) -> int:
+def _num_examples(tree, per_leaf: bool = False) -> int:
   """How many rows `node_examples` makes of one tree (after its `backup`)."""
-  values, _ = rollout_values(tree)
+  values, _ = rollout_values(tree, per_leaf=per_leaf)
   return sum(1 for nd in tree.nodes if nd.feature is not None and values[nd.id] is not None)

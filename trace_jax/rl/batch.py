@@ -75,9 +75,9 @@ def build_sequences(trees: Sequence[Tree], kind: str, max_depth: int, normalize:
                     pred_holdout: float = 0.0):
   """Per-leaf sequences with per-token mask/advantage/old log-prob and per-node predictor targets.
 
-  Predictor targets are V(y) over the leaves of rollouts started at y or above
-  (`predictor_fit.rollout_values`: stage-2 continuations forked below y were placed by looking at
-  y's outcomes and would bias it); each node is weighted once (by the first sequence holding it),
+  Predictor targets are `sampling.tree.rollout_values`' (one target per node: a stage-2 continuation
+  counts only for the nodes it generated, never for its anchor or above, which were chosen by
+  looking at outcomes it would bias); each node is weighted once (by the first sequence holding it),
   leaves by `pred_leaf_weight` (0: allocation never queries them). The nodes of a prompt the
   predictor's fit holds out (`pred_holdout`, the share `rl.predictor_holdout`; `holdout.held_out`)
   weigh 0, so the joint update never trains the head on what the fit early-stops on.

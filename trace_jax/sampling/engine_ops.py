@@ -36,11 +36,17 @@ def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
       sort of [S, V] dominates a small model's decode step on CPU).
 
   Returns:
-    tokens i32[S], logprob f32[S] and entropy f32[S] of the tempered, unfiltered distribution
-    softmax(logits / T) the tokens are drawn from (what the policy-gradient loss recomputes with
-    the same temperature); greedy slots report the untempered one (T = 1).
+    tokens i32[S]; logprob f32[S]: log mu(token) under the behaviour distribution mu the token was
+    actually drawn from, softmax(logits / T) restricted to the tokens top-k / top-p keep and
+    renormalized (PPO's ratio divides the update's tempered pi(token) by it, so the ratio is the
+    importance weight of the filtered sampler); when the filters keep the whole vocabulary it is
+    exactly the tempered log-softmax, bit for bit (also what nucleus=False and max_top_k=0 give).
+    entropy f32[S]: of the tempered, unfiltered softmax(logits / T) (a diagnostic; the loss's
+    entropy term recomputes that one). Greedy slots report the untempered, unfiltered log-prob and
+    entropy (T = 1) of the argmax.
   """
   logits = logits.astype(jnp.float32)
+  n_rows = logits.shape[0]
   t = jnp.where(greedy, 1.0, jnp.maximum(temperature, 1e-6))
   scaled = logits / t[:, None]
   logp = jax.nn.log_softmax(scaled, axis=-1)
@@ -61,6 +67,8 @@ def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
     # always kept, the mass before it being 0).
     keep = (rank < k[:, None]) & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
     cand = jnp.where(keep, cand, -jnp.inf)
+    # Rows whose candidates are the whole vocabulary, all kept, sample from softmax(scaled) itself.
+    unfiltered = jnp.all(keep, axis=-1) if n == logits.shape[-1] else jnp.zeros(n_rows, bool)
   # Inverse-CDF sampling needs one uniform per slot, far cheaper than Gumbel noise over the vocab.
   step_keys = jax.vmap(jax.random.fold_in)(
       jax.random.wrap_key_data(keys, impl="threefry2x32"), counters)
@@ -71,6 +79,11 @@ def sample_tokens(logits, keys, counters, temperature, top_p, top_k, greedy, *,
   sampled = idx if cand_ids is None else jnp.take_along_axis(cand_ids, idx[:, None], axis=-1)[:, 0]
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
   lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  if max_top_k > 0 or nucleus:
+    # The sampled candidate is always a kept one (the cdf is flat past the kept prefix), so its
+    # log-prob under the renormalized kept set is finite.
+    kept_lp = jnp.take_along_axis(jax.nn.log_softmax(cand, axis=-1), idx[:, None], axis=-1)[:, 0]
+    lp = jnp.where(greedy | unfiltered, lp, kept_lp)
   return tokens, lp, entropy
 
 
@@ -142,9 +155,10 @@ def make_decode_step(graphdef, attention_impl: str = "auto", max_top_k: int = 0,
     shards, attention runs in `tree_attention_sharded` (tree tables required), K/V writes under
     `shard_map`; in and out shardings are explicit and the pool is donated.
   stop_seqs: static tuple of token-id tuples; eos_id: static.
-  out: tokens i32[S, steps], logprobs f32[S, steps], entropy f32[S, steps] (entries past a slot's
-  count are garbage), count i32[S] (steps taken), hidden f32[S, D] (first step, after the final
-  norm: the predictor feature of the input token's prefix).
+  out: tokens i32[S, steps], logprobs f32[S, steps] (under the filtered, renormalized distribution
+  each token was drawn from: `sample_tokens`), entropy f32[S, steps] (entries past a slot's count
+  are garbage), count i32[S] (steps taken), hidden f32[S, D] (first step, after the final norm:
+  the predictor feature of the input token's prefix).
   One compilation per distinct table shape (the engine buckets them).
   """
   stop_table = stop_sequence_table(stop_seqs)

@@ -29,8 +29,12 @@ class Node:
     parent: parent id, -1 for the root.
     depth: 0 for the root, t for the t-th turn.
     gen_ids: generated token ids of the turn (trainable); empty for the root.
-    logprobs: f32 log pi(token) under the untempered policy at sampling time, one per gen id.
-    entropies: entropy of the untempered next-token distribution at each generated position.
+    logprobs: f32 log mu(token), one per gen id, under the behaviour distribution the sampler
+      drew the token from: softmax(logits / temperature) restricted to the tokens top-k / top-p
+      keep, renormalized (the plain tempered log-softmax when no filter is on; untempered and
+      unfiltered for greedy sampling). PPO's ratio divides the update's tempered pi by it.
+    entropies: entropy of the tempered, unfiltered next-token distribution softmax(logits /
+      temperature) at each generated position (untempered for greedy sampling); a diagnostic.
     obs_ids: observation token ids (the prompt, for the root); masked for training.
     feature: f32[D] final hidden state at the node's last token (the prefix H for the predictor),
       or None when not computed.
@@ -391,18 +395,45 @@ def rollout_start_depths(tree) -> list[int]:
   return start
 
 
-def rollout_values(tree):
-  """V(y) over the leaves of rollouts that started at y or above it, and how many such leaves.
+def rollout_values(tree, per_leaf: bool = False):
+  """V(y) for the success predictor's targets, and how many leaves it counts, per node.
 
-  Returns (values: list of float or None (no such leaf), counts: list of int), per node. Equal to
-  `Tree.backup`'s V and n_y when no continuation was forked below y."""
+  Rule: a leaf counts for y when y lies on its rollout's own path and the rollout was not placed
+  by looking at outcomes below y:
+  - a rollout stage 1 started at the root counts for every node of its path, the root included;
+  - a rollout stage 2 forked from an anchor h (a turn boundary; or the root, for a fresh draw
+    into a tree whose stage-1 rollouts agreed, told apart by `Node.rollout` >=
+    `tree.meta["stage1_rollouts"]` when the tree records it) counts only for the nodes it
+    generated below h: not for h itself, nor above h.
+  So a forked anchor's target is the outcome of the stage-1 rollout through it, never pooled with
+  the continuations stage 2 placed there. Stage 2 picks h, and how many continuations it gets, by
+  that outcome r (a continuation is worth most where r was surprising given p_hat); pooled into
+  one target per node, r would weigh 1 where h was not picked and 1 / (k + 1) where it was, so
+  E[target | h] != V(h). With V(h) = p_hat = 0.8 and k = 3 continuations wherever r = 0, the
+  pooled target averages 0.92 over all anchors of that V, and dropping r for the continuations
+  instead 0.96; r alone averages 0.8, as its weight no longer depends on the selection.
+  Continuations are fresh draws at the nodes they generate, hence unbiased there; above h they
+  sample a prefix picked by outcome. Trees without stage 2 (GRPO): `Tree.backup`'s V and n_y.
+
+  per_leaf: also count a stage-2 rollout at the anchor it was forked from (the pooled mean over
+  the leaves of rollouts started at y or above). Unbiased only for a fit that weighs every counted
+  leaf as one observation (node weight n_y, the binomial likelihood), where r weighs 1 whether or
+  not h was picked; a fit that weighs nodes alike must keep the default.
+
+  Returns (values: list of float or None (no counted leaf), counts: list of int), per node.
+  """
   start = rollout_start_depths(tree)
+  stage1 = tree.meta.get("stage1_rollouts")
   total = [0.0] * len(tree.nodes)
   count = [0] * len(tree.nodes)
   for leaf in tree.leaves():
     r = float(leaf.reward or 0.0)
+    top = start[leaf.id]  # the depth of the anchor its rollout started from
+    placed = top > 0 or (stage1 is not None and 0 <= top and leaf.rollout >= int(stage1))
+    if placed and not per_leaf:
+      top += 1  # a stage-2 rollout: not for the anchor it was forked from
     n = leaf
-    while n is not None and n.depth >= start[leaf.id]:  # up to the anchor it started from
+    while n is not None and n.depth >= top:
       total[n.id] += r
       count[n.id] += 1
       n = tree.nodes[n.parent] if n.parent >= 0 else None
