@@ -445,10 +445,16 @@ def _leaves_under(tree: Tree, node_id: int):
 def trees_cost(trees) -> dict[str, int]:
   """What sampling `trees` from their prompts cost, in the ledger's terms: rollouts started,
   generated tokens, prefill tokens (the prompt but its pending last token, then every
-  observation) and tool calls (every turn but those cut before the environment ran)."""
+  observation prefilled: not one the pool had no pages for) and tool calls (every turn the
+  environment ran on). A turn the sequence limit or the pool ended made no call and carries no
+  observation; one cut by them after the environment answered (no room or no pages left for its
+  observation) made one and carries it (its text, and its ids when pages ran out). Only an
+  environment that answers a turn with no text at all and lets it go on, at the sequence limit,
+  is not told apart."""
   turns = [n for t in trees for n in t.nodes[1:]]
   return dict(rollouts_started=sum(len(t.leaves()) for t in trees),
               generated_tokens=sum(len(n.gen_ids) for n in turns),
               prefill_tokens=sum(len(t.prompt_ids) - 1 for t in trees) +
-              sum(len(n.obs_ids) for n in turns),
-              tool_calls=sum(n.truncated not in ("max_seq_len", "pool_exhausted") for n in turns))
+              sum(len(n.obs_ids) for n in turns if n.truncated != "pool_exhausted"),
+              tool_calls=sum(n.truncated not in ("max_seq_len", "pool_exhausted")
+                             or bool(n.obs_ids or n.obs_text) for n in turns))

@@ -173,6 +173,9 @@ class SamplerEngine(AdmissionMixin, DecodeLoopMixin, PromptFeaturesMixin, PageBo
     # admitted: their K/V, kept for the sampler so no prompt is prefilled twice in a step. Dropped
     # when new weights arrive and when a run has admitted its own (a prompt scored again: replaced).
     self._kept: dict[tuple, tuple[list[int], int]] = {}
+    # (prompts, prefill tokens) of recent `prompt_features` calls, since the last weight update:
+    # the pool a run's rollouts ahead were chosen from is billed to the step that adopts them.
+    self._scored: list[tuple[frozenset, int]] = []
     # Bounded and off by default: a training run makes millions of decode steps and never reads
     # them (see record_steps).
     self.record_steps = max(0, int(record_steps))
@@ -188,20 +191,28 @@ class SamplerEngine(AdmissionMixin, DecodeLoopMixin, PromptFeaturesMixin, PageBo
 
   # ---- public API --------------------------------------------------------------------------------
   def update_params(self, params_state) -> None:
-    """Swaps the sampling weights. Rollouts carried ahead (`run(ahead=...)`) continue under the
-    new weights from their K/V as it is; each carried tree records in `meta["stale_tokens"]` the
-    tokens it had generated under the old weights (their log-probs are the old policy's, which is
-    what the update's ratio is taken against)."""
+    """Swaps the sampling weights.
+
+    Every live tree (the rollouts carried ahead, `run(ahead=...)`, in particular) records in
+    `meta["stale_tokens"]` the tokens it has generated so far: their log-probs are the old
+    policy's, which is what the update's ratio is taken against. The K/V cached so far was written
+    under the old weights. A branch mid-turn continues under the new weights over that K/V, and a
+    branch later forked from a node recorded before the swap (or by such a branch) does too:
+    their tokens' log-probs come from the new weights over old K/V, neither policy's, and each
+    such token is added to `meta["stale_tokens"]` as it is generated. Branches started from a
+    root after the swap are clean: the prompt is prefilled again under the new weights (the old
+    prompt pages stay the tree's until `release`)."""
     self.state = self._place(params_state)
     self._prompt_means.clear()  # computed under the old weights
     self.drop_kept()
-    if self._carried:
-      stale = {t.uid: sum(len(n.gen_ids) for n in t.nodes) for t in self._carried}
-      for b in self.slots:
-        if b is not None and b.tree.uid in stale:
-          stale[b.tree.uid] += len(b.turn_ids)
-      for t in self._carried:
-        t.meta["stale_tokens"] = stale[t.uid]
+    self._scored.clear()  # a pool scored under the old weights is billed by now
+    stale = {uid: sum(len(n.gen_ids) for n in st.tree.nodes) for uid, st in self._trees.items()}
+    for b in self.slots:
+      if b is not None and b.tree.uid in stale:
+        stale[b.tree.uid] += len(b.turn_ids)
+    for uid, st in self._trees.items():
+      st.tree.meta["stale_tokens"] = stale[uid]
+    self._age_kv()
 
   set_params = update_params
 

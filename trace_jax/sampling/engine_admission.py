@@ -3,6 +3,12 @@ the admission of prompts and forks into per-(worker, data shard) queues (`_admit
 free slots from those queues (`_refill`: a fork shares its anchor's full pages and copies the
 partial last one), and the rollouts started ahead for the caller's next step (`carried`,
 `drop_carried`, `ahead_ledger`).
+
+Requests are checked before any is admitted (`_check_requests`), so a refused call changes
+nothing. A branch the pool cannot give its first pages (its prompt's, or the copy of its anchor's
+partial page) waits in its queue while a branch on its shard decodes (a retiring branch gives back
+the pages it took ahead), and else ends at once as a `pool_exhausted` leaf: pages come back only
+at `release`, so nothing else would free them in this run.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import numpy as np
 
 from trace_jax.sampling.config import ForkRequest, Ledger, PromptRequest
 from trace_jax.sampling.engine_pages import TreeState, _Branch
+from trace_jax.sampling.paged_kv import PoolExhaustedError
 from trace_jax.sampling.tree import Node, Tree
 
 _COPY_BATCH = 64  # pages copied per copy_pages call
@@ -35,9 +42,11 @@ class AdmissionMixin:
     slots this run's own work leaves idle (its tail), and the run returns as soon as its own trees
     are done, leaving them decoding or queued: `carried` lists their trees. The next call must
     adopt them (`adopt=True`: they come first in its result and are sampled to completion with
-    the weights it has then; `update_params` in between swaps the weights under them) or
+    the weights it has then; `update_params` in between swaps the weights under them, and their
+    tokens sampled over K/V of the old weights count in `meta["stale_tokens"]`) or
     `drop_carried()`. Their cost is kept in `ahead_ledger` until adopted, so each run's `ledger`
-    delta is the cost of the trees it returns.
+    delta is the cost of the trees it returns; so is the prefill of the pool they were scored in
+    (`prompt_features`).
 
     on_trees_done: optional callback(trees) -> requests. Between decode steps it receives the
     trees of this run that went idle since the last call (every rollout started for them has
@@ -54,6 +63,13 @@ class AdmissionMixin:
     fork goes to the shard of its tree. sync_turns: every slot waits for the
     slowest turn before the next one, and new branches start only when all slots are empty (or,
     with sync_refill, at every turn barrier).
+
+    Every request (and `ahead`) is checked before any is admitted: a bad one raises and the engine
+    is as it was (carried trees still carried). A call whose new prompts alone need more pages than
+    the pool holds (pages return only at `release`) is refused up front with PoolExhaustedError.
+    A pool that is merely full makes branches wait or end as `pool_exhausted` leaves (module
+    docstring), never an error. After an error inside the run, every branch's pages go to its tree
+    (`release` frees them) and nodes whose queued prefill never ran are no longer forkable.
     """
     s = self.cfg.num_slots
     if not 1 <= num_workers <= s:
@@ -66,6 +82,8 @@ class AdmissionMixin:
     slot_worker = (np.arange(s) * num_workers // s).astype(np.int32)
     if adopt and self._carried and not np.array_equal(slot_worker, self.slot_worker):
       raise ValueError("adopting carried trees needs the num_workers they were started with")
+    requests, ahead = list(requests), list(ahead)
+    self._check_requests(requests + ahead)  # before anything is admitted or adopted
     self.slot_worker = slot_worker
     self._pending = {(int(w), int(d)): collections.deque()
                      for w, d in zip(self.slot_worker, self.slot_shard)}
@@ -81,16 +99,20 @@ class AdmissionMixin:
           self._idle.append(t)  # done while carried: reported at this run's first step
       self._absorb_ahead_ledger()
     self._ahead_pending = {key: collections.deque() for key in self._pending}
-    trees = self._run_trees = carried + self._admit(requests, num_workers)
-    ahead_trees = self._admit(list(ahead), num_workers, ahead=True) if ahead else []
-    self.drop_kept()  # the scored prompts this run does not sample: their pages go back now
-    done = False
+    trees = self._run_trees = list(carried)
+    ahead_trees, done = [], False
     try:
+      trees += self._admit(requests, num_workers)
+      if ahead:
+        ahead_trees = self._admit(ahead, num_workers, ahead=True)
+        self._bill_scoring_ahead(ahead_trees)
+      self.drop_kept()  # the scored prompts this run does not sample: their pages go back now
       self._loop(sync_turns, num_workers, sync_refill)
       done = True
     finally:
       if not done:  # an error: hand every branch's pages to its tree for release
         self._unslot()
+        self._drop_unwritten()  # K/V of queued prefills the error dropped: never written
         for st in self._trees.values():
           st.outstanding = 0
         self._ahead_pending, ahead_trees = {}, []
@@ -123,27 +145,90 @@ class AdmissionMixin:
     """The ledger a tree's work is charged to (None: not a tree's, e.g. scoring a pool)."""
     return self.ahead_ledger if st is not None and st.ahead else self.ledger
 
+  def _bill_scoring_ahead(self, ahead_trees) -> None:
+    """Moves the prefill of the pool the rollouts started ahead were chosen from (the latest
+    `prompt_features` call since the last weight update that scored all their prompts) from
+    `ledger` to `ahead_ledger`: it is the cost of the step that adopts them, not of this one."""
+    keys = {tuple(t.prompt_ids) for t in ahead_trees}
+    for i in range(len(self._scored) - 1, -1, -1):
+      scored, tokens = self._scored[i]
+      if keys <= scored:
+        del self._scored[i]
+        self.ledger.prefill_tokens -= tokens
+        self.ahead_ledger.prefill_tokens += tokens
+        return
+
   # ---- admission ---------------------------------------------------------------------------------
-  def _admit(self, requests, num_workers, ahead: bool = False) -> list[Tree]:
-    queues = self._ahead_pending if ahead else self._pending
-    trees, load = [], {c: 0 for c in queues}
+  def _check_requests(self, requests) -> list:
+    """The requests as PromptRequest / ForkRequest, each checked as `_admit` would admit it
+    (prompt length, uid free, anchor forkable, counts >= 0) before any is, and the new prompts'
+    pages against the pool: a call whose prompts alone exceed it could never be sampled (pages
+    return only at `release`). Raises ValueError (PoolExhaustedError for the pages)."""
+    cfg, out, uids, next_uid = self.cfg, [], set(), self._next_uid
+    pages = []
     for req in requests:
       if isinstance(req, tuple):
         req = ForkRequest(*req)
       if isinstance(req, PromptRequest):
-        ids = [int(t) for t in req.prompt_ids]
-        if not 1 <= len(ids) < self.cfg.max_seq_len:
-          raise ValueError(
-              f"prompt length {len(ids)} not in [1, max_seq_len={self.cfg.max_seq_len})")
-        uid = self._next_uid if req.uid is None else int(req.uid)
+        n = len(req.prompt_ids)
+        if not 1 <= n < cfg.max_seq_len:
+          raise ValueError(f"prompt length {n} not in [1, max_seq_len={cfg.max_seq_len})")
+        if int(req.n) < 0:
+          raise ValueError(f"PromptRequest.n must be >= 0, got {req.n}")
+        uid = next_uid if req.uid is None else int(req.uid)
         if uid in self._trees:  # its record (pages, rng streams) would be another tree's
           raise ValueError(f"tree uid {uid} is still live on this engine; release that tree "
                            f"before reusing its uid")
+        if uid in uids:
+          raise ValueError(f"tree uid {uid} is requested twice in one call")
+        uids.add(uid)
+        next_uid += int(req.uid is None)
+        if int(req.n) > 0:  # (a prompt sampled 0 times takes no page)
+          pages.append(-(-(n - 1) // cfg.page_size))
+      elif isinstance(req, ForkRequest):
+        tree, node_id = req.tree, req.node
+        node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
+        if not 0 <= node_id < len(tree.nodes):
+          raise IndexError(f"node {node_id} not in tree {tree.uid}")
+        if tree.nodes[node_id].done:
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
+                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
+                           f"anchor")
+        st = self._trees.get(tree.uid)
+        if st is None or (node_id not in st.kv and node_id != 0):
+          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it has no K/V "
+                           f"(its pages were released: fork before calling engine.release; or "
+                           f"a run stopped by an error before its observation was prefilled)")
+        if st.tree is not tree:  # the forks would grow a tree the KV map does not describe
+          raise ValueError(f"cannot fork from tree {tree.uid}: it is a copy, not the tree this "
+                           f"engine sampled under that uid")
+        if int(req.k) < 0:
+          raise ValueError(f"ForkRequest.k must be >= 0, got {req.k}")
+        req = ForkRequest(tree, node_id, int(req.k))
+      else:
+        raise TypeError(f"not a sampling request: {req!r}")
+      out.append(req)
+    per_shard = self.alloc.pages_per_shard - 1
+    if pages and (max(pages) > per_shard or sum(pages) > self.alloc.capacity):
+      raise PoolExhaustedError(
+          f"KV pool exhausted: the {len(pages)} new prompts of this call need {sum(pages)} pages "
+          f"(the largest {max(pages)}) for their prompts alone, held until release, but the pool "
+          f"holds {self.alloc.capacity} ({per_shard} per data shard; num_pages "
+          f"{cfg.num_pages}); request fewer prompts per run or raise SamplerConfig.num_pages")
+    return out
+
+  def _admit(self, requests, num_workers, ahead: bool = False) -> list[Tree]:
+    queues = self._ahead_pending if ahead else self._pending
+    trees, load = [], {c: 0 for c in queues}
+    for req in self._check_requests(requests):  # all checked before the first is admitted
+      if isinstance(req, PromptRequest):
+        ids = [int(t) for t in req.prompt_ids]
+        uid = self._next_uid if req.uid is None else int(req.uid)
         if req.uid is None:
           self._next_uid += 1
         tree = Tree(ids, uid=uid, meta=req.meta, prompt_text=req.prompt_text)
         st = self._trees[uid] = TreeState(tree, ahead=ahead)
-        node_id, count = 0, req.n
+        node_id, count = 0, int(req.n)
         kept = self._kept.get(tuple(ids))
         if kept is not None:  # scored with keep: its K/V is in these pages already
           shard = self.alloc.shard_of(kept[0][0])
@@ -156,20 +241,7 @@ class AdmissionMixin:
             st.shard = shard
       else:
         tree, node_id, count = req.tree, req.node, req.k
-        node_id = node_id.id if isinstance(node_id, Node) else int(node_id)
-        if not 0 <= node_id < len(tree.nodes):
-          raise IndexError(f"node {node_id} not in tree {tree.uid}")
-        if tree.nodes[node_id].done:
-          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it is a finished "
-                           f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
-                           f"anchor")
-        st = self._trees.get(tree.uid)
-        if st is None or (node_id not in st.kv and node_id != 0):
-          raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: its KV pages were "
-                           f"released (fork before calling engine.release)")
-        if st.tree is not tree:  # the forks would grow a tree the KV map does not describe
-          raise ValueError(f"cannot fork from tree {tree.uid}: it is a copy, not the tree this "
-                           f"engine sampled under that uid")
+        st = self._trees[tree.uid]
       # (worker, shard) queues: a tree keeps its shard (its pages live there) and, when it can,
       # its worker; otherwise the least loaded queue takes it.
       cands = [c for c in load if st.shard is None or c[1] == st.shard]
@@ -193,53 +265,37 @@ class AdmissionMixin:
             any(b is not None and not b.state.ahead for b in self.slots))
 
   def _refill(self):
-    starts = []
-    for i, b in enumerate(self.slots):
-      key = (int(self.slot_worker[i]), int(self.slot_shard[i]))
-      q = self._pending[key]
-      if b is None and not q and self._ahead_pending:
-        q = self._ahead_pending[key]  # an idle slot: the next step's rollouts may start here
-      if b is None and q:
-        starts.append((i, *q.popleft()))
-    if not starts:
-      return
-    cfg = self.cfg
-    for _, st, node_id in starts:  # the prompt's K/V must exist before it is forked
-      if node_id == 0 and 0 not in st.kv:
-        prompt = st.tree.prompt_ids
-        n = len(prompt) - 1
-        pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
-        st.page_refs.append(pages)
-        st.kv[0] = (pages, n)
-        self._jobs.append([st, pages, 0, list(prompt[:-1]), None])
-    self._flush_prefill()
+    """Starts queued branches in the free slots. One whose first pages the pool cannot give now
+    stays at the head of its queue while a branch on its shard is in a slot, and else ends as a
+    `pool_exhausted` leaf (`_cut_start`; module docstring)."""
     src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
-    for slot, st, node_id in starts:
-      tree = st.tree
-      pages, kv_len = st.kv[node_id]
-      # Share the anchor's full pages (never written again); copy the partial last one. Without
-      # sharing (an ablation), every page is copied.
-      full = kv_len // cfg.page_size if cfg.share_prefix else 0
-      used = -(-kv_len // cfg.page_size)
-      shared = list(pages[:full])
-      shard = int(self.slot_shard[slot])
-      own = self.alloc.alloc(used - full, shard)  # may raise PoolExhaustedError (run() cleans up)
-      src[shard] += pages[full:used]
-      dst[shard] += own
-      self.alloc.incref(shared)
-      node = tree.nodes[node_id]
-      serial = st.branches
-      st.branches += 1
-      seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
-      b = _Branch(st, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
-                  seq.generate_state(2, np.uint32), (tree.uid, node_id), full)
-      b.serial, b.shard = serial, shard
-      b.feature_for = node_id if node.feature is None else None
-      b.turn_limit = self._turn_limit(b)
-      self.slots[slot] = b
-      if self.record_steps:
-        self.starts.append((slot, tree.uid))
-      self._charge(st).rollouts_started += 1
+    started = False
+    while True:
+      blocked = {}  # queue id -> (queue, shard) of queues whose head cannot get its pages
+      for i, b in enumerate(self.slots):
+        key = (int(self.slot_worker[i]), int(self.slot_shard[i]))
+        q = self._pending[key]
+        if b is None and not q and self._ahead_pending:
+          q = self._ahead_pending[key]  # an idle slot: the next step's rollouts may start here
+        if b is not None or not q or id(q) in blocked:
+          continue
+        st, node_id = q[0]
+        own = self._start_pages(st, node_id, key[1])
+        if own is None:
+          blocked[id(q)] = (q, key[1])
+          continue
+        q.popleft()
+        self._start(i, st, node_id, own, src, dst)
+        started = True
+      busy = {int(self.slot_shard[i]) for i, b in enumerate(self.slots) if b is not None}
+      stuck = [q for q, shard in blocked.values() if shard not in busy]
+      if not stuck:  # the others wait for the pages a decoding branch gives back as it retires
+        break
+      for q in stuck:  # nothing on its shard will free pages before release: end it now
+        self._cut_start(*q.popleft())
+    if not started:
+      return
+    self._flush_prefill()  # the prompts' K/V must exist before their partial pages are copied
     for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
       s_ids, d_ids = [], []
       for shard in range(self.shards):  # block per shard, padded with the shard's null page
@@ -248,3 +304,67 @@ class AdmissionMixin:
         s_ids += s + pad
         d_ids += d + pad
       self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))
+
+  def _start_pages(self, st: TreeState, node_id: int, shard: int) -> list[int] | None:
+    """The pages a branch from `node_id` needs of its own to start (the copy of the anchor's
+    partial last page; every page without prefix sharing), after queueing its prompt's prefill
+    if the root has no K/V yet; None when the pool cannot give them now."""
+    cfg = self.cfg
+    if node_id == 0 and 0 not in st.kv:  # the prompt's K/V must exist before it is forked
+      prompt = st.tree.prompt_ids
+      n = len(prompt) - 1
+      try:
+        pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
+      except PoolExhaustedError:
+        return None
+      st.page_refs.append(pages)
+      st.kv[0] = (pages, n)
+      self._jobs.append([st, pages, 0, list(prompt[:-1]), None])
+    pages, kv_len = st.kv[node_id]
+    full = kv_len // cfg.page_size if cfg.share_prefix else 0
+    try:
+      return self.alloc.alloc(-(-kv_len // cfg.page_size) - full, shard)
+    except PoolExhaustedError:
+      return None
+
+  def _start(self, slot: int, st: TreeState, node_id: int, own: list[int], src, dst) -> None:
+    """Puts a branch from `node_id` in `slot`: the anchor's full pages shared, its partial last
+    one (every page, without sharing) queued for a copy into `own`."""
+    cfg, tree = self.cfg, st.tree
+    pages, kv_len = st.kv[node_id]
+    # Share the anchor's full pages (never written again); copy the partial last one. Without
+    # sharing (an ablation), every page is copied.
+    full = kv_len // cfg.page_size if cfg.share_prefix else 0
+    used = -(-kv_len // cfg.page_size)
+    shared = list(pages[:full])
+    shard = int(self.slot_shard[slot])
+    src[shard] += pages[full:used]
+    dst[shard] += own
+    self.alloc.incref(shared)
+    node = tree.nodes[node_id]
+    serial = st.branches
+    st.branches += 1
+    seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
+    # The group key names the anchor's K/V itself (its first page): after new weights a root's
+    # prompt is prefilled again into other pages, and its old and new branches share nothing.
+    b = _Branch(st, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
+                seq.generate_state(2, np.uint32), (tree.uid, node_id, pages[0] if pages else -1),
+                full)
+    b.serial, b.shard = serial, shard
+    b.feature_for = node_id if node.feature is None else None
+    b.turn_limit = self._turn_limit(b)
+    b.stale_kv = node_id in st.old_kv
+    self.slots[slot] = b
+    if self.record_steps:
+      self.starts.append((slot, tree.uid))
+    self._charge(st).rollouts_started += 1
+
+  def _cut_start(self, st: TreeState, node_id: int) -> None:
+    """Ends a branch the pool could not start as an empty `pool_exhausted` leaf under `node_id`
+    (a system cut: the training loop leaves it out); it counts as a rollout started."""
+    serial = st.branches
+    st.branches += 1
+    leaf = st.tree.add_node(node_id, rollout=serial)
+    leaf.done, leaf.truncated, leaf.reward = True, "pool_exhausted", self.cfg.truncation_reward
+    self._charge(st).rollouts_started += 1
+    self._branch_ended(st)

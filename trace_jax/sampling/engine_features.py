@@ -21,8 +21,8 @@ _PROMPT_MEANS_KEPT = 4096  # prompt means cached between weight updates
 class PromptFeaturesMixin:
   """`SamplerEngine`'s prompt scoring and node features. Uses the engine's `cfg`, `model_cfg`,
   `alloc`, `shards`, `state`, `buckets`, `prefill_rows`, `ledger`, `_features`, `_jobs`,
-  `_kept` and `_prompt_means` (set by `SamplerEngine.__init__`) and `_flush_prefill`
-  (`engine_loop.DecodeLoopMixin`)."""
+  `_kept`, `_scored` and `_prompt_means` (set by `SamplerEngine.__init__`), `_flush_prefill`
+  (`engine_loop.DecodeLoopMixin`) and `_charge` (`engine_admission.AdmissionMixin`)."""
 
   def prompt_features(self, prompts: Sequence[Sequence[int]],
                       count_prefill: bool = True, keep: bool = False) -> np.ndarray:
@@ -39,32 +39,49 @@ class PromptFeaturesMixin:
     `update_params`; a prompt scored again gets new pages, its old ones go back; a pool scored
     for a step ahead keeps the current step's): a candidate pool is prefilled once,
     whichever of its prompts are then sampled. Prompts that do not fit in the free pages are
-    scored the plain way. The features agree with the plain way's to float rounding."""
-    if keep:
-      if not count_prefill:
-        raise ValueError("keep=True prefills for sampling; its tokens count as prefill")
-      return self._score_and_keep(prompts)
-    return self._plain_features(prompts, count_prefill)
+    scored the plain way. The features agree with the plain way's to float rounding. An error
+    (a prompt of a bad length, a failed prefill) keeps no page of the call.
+
+    The prefill is charged to `ledger` now, unless a later `run` starts rollouts ahead (`ahead`)
+    from this pool (all their prompts scored here, under the current weights): then it moves to
+    `ahead_ledger`, the cost of the step that adopts them."""
+    if keep and not count_prefill:
+      raise ValueError("keep=True prefills for sampling; its tokens count as prefill")
+    before = self.ledger.prefill_tokens
+    out = self._score_and_keep(prompts) if keep else self._plain_features(prompts, count_prefill)
+    spent = self.ledger.prefill_tokens - before
+    if spent:
+      scored = frozenset(tuple(int(t) for t in p) for p in prompts)
+      self._scored = (self._scored + [(scored, spent)])[-8:]
+    return out
 
   def _score_and_keep(self, prompts) -> np.ndarray:
     cfg = self.cfg
     keys = [tuple(int(t) for t in p) for p in prompts]
+    for key in keys:  # before any page is taken
+      if not 1 <= len(key) < cfg.max_seq_len:
+        raise ValueError(f"prompt length {len(key)} not in [1, max_seq_len={cfg.max_seq_len})")
     for key in set(keys) & set(self._kept):  # scored again: the older pages go back
       self.alloc.decref(self._kept.pop(key)[0])
     jobs, plain = {}, []
-    for i, key in enumerate(dict.fromkeys(keys)):
-      if not 1 <= len(key) < cfg.max_seq_len:
-        raise ValueError(f"prompt length {len(key)} not in [1, max_seq_len={cfg.max_seq_len})")
-      try:
-        pages = self.alloc.alloc(-(-len(key) // cfg.page_size), i % self.shards)
-      except PoolExhaustedError:
-        plain.append(key)
-        continue
-      # [branch, pages, start, tokens, features]: the whole prompt, its last token included (the
-      # first decode step writes that token's K/V again, identically), for its final state.
-      jobs[key] = [None, pages, 0, list(key), {"last": None, "sum": 0.0}]
-    self._jobs.extend(jobs.values())
-    self._flush_prefill()
+    try:
+      for i, key in enumerate(dict.fromkeys(keys)):
+        try:
+          pages = self.alloc.alloc(-(-len(key) // cfg.page_size), i % self.shards)
+        except PoolExhaustedError:
+          plain.append(key)
+          continue
+        # [branch, pages, start, tokens, features]: the whole prompt, its last token included
+        # (the first decode step writes that token's K/V again, identically), for its final state.
+        jobs[key] = [None, pages, 0, list(key), {"last": None, "sum": 0.0}]
+      self._jobs.extend(jobs.values())
+      self._flush_prefill()
+    except BaseException:  # no page of this call stays taken, no job of it queued
+      mine = {id(j) for j in jobs.values()}
+      self._jobs = [j for j in self._jobs if id(j) not in mine]
+      for job in jobs.values():
+        self.alloc.decref(job[1])
+      raise
     feats = {}
     d = self.model_cfg.hidden_size
     for key, job in jobs.items():
@@ -119,8 +136,13 @@ class PromptFeaturesMixin:
     weights, else one batched plain forward over the others (prefill work)."""
     missing = [st.tree.prompt_ids for st in states
                if tuple(st.tree.prompt_ids) not in self._prompt_means]
-    if missing:
-      self.prompt_features(missing)
+    if missing:  # the prefill of the trees' admission: their ledger (`ahead_ledger` for ahead)
+      before = self.ledger.prefill_tokens
+      self._plain_features(missing, True)
+      ledger = self._charge(states[0])
+      if ledger is not self.ledger:
+        ledger.prefill_tokens += self.ledger.prefill_tokens - before
+        self.ledger.prefill_tokens = before
     for st in states:
       st.prompt_mean = np.asarray(self._prompt_means[tuple(st.tree.prompt_ids)], np.float32)
     if len(self._prompt_means) > _PROMPT_MEANS_KEPT:  # scored pools of past calls

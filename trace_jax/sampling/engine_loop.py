@@ -50,6 +50,8 @@ class DecodeLoopMixin:
           if sync_refill:  # new branches join at the barrier and start their first turn in step
             self._refill()
           continue
+        if self._idle:  # trees whose last branches the pool could not start: report them
+          continue
         if any(self._pending.values()):
           raise RuntimeError("pending branches but no slot could start one")  # not reachable
         return
@@ -64,7 +66,8 @@ class DecodeLoopMixin:
     its final states, `prompt_features(keep=True)`); on a
     mesh each call holds a block of `prefill_rows` rows per data shard, each shard's own jobs."""
     cfg, jobs = self.cfg, [j for j in self._jobs if j[3]]
-    self._jobs = []
+    # Jobs stay listed until written: after an error, `run` finds the K/V that never was.
+    self._jobs = jobs
     n, d_count = self.prefill_rows, self.shards
     while jobs:
       by_shard = [[] for _ in range(d_count)]
@@ -89,18 +92,20 @@ class DecodeLoopMixin:
         batch["tokens"][r, :t] = j[3][:t]
         batch["table"][r, :min(len(j[1]), width)] = j[1][:width]
         batch["start"][r], batch["num_new"][r] = j[2], t
+        rows_of.append((r, j))
+      self.pool, last, total = self._prefill(self.state, self.pool, batch)
+      for _, j in rows_of:  # written: the jobs move on
+        t = take[id(j)]
         j[2] += t
         j[3] = j[3][t:]
         owner = j[0].state if isinstance(j[0], _Branch) else j[0]
         self._charge(owner).prefill_tokens += t
-        rows_of.append((r, j))
-      self.pool, last, total = self._prefill(self.state, self.pool, batch)
       if any(j[4] is not None for _, j in rows_of):  # scoring: read the rows' final states
         last, total = np.asarray(last), np.asarray(total)
         for r, j in rows_of:
           if j[4] is not None:
             j[4]["last"], j[4]["sum"] = last[r], j[4]["sum"] + total[r]
-      jobs = [j for j in jobs if j[3]]
+      jobs = self._jobs = [j for j in jobs if j[3]]
 
   def _budget(self, b: _Branch) -> int:
     """Decode steps of the next call: up to decode_steps, never past the turn or sequence limit."""
@@ -223,6 +228,9 @@ class DecodeLoopMixin:
         if b.end_reason:
           ended.append(i)
           break
+      if b.stale_kv:  # new weights over K/V written under replaced ones: neither policy's tokens
+        b.tree.meta["stale_tokens"] = (b.tree.meta.get("stale_tokens", 0)
+                                       + len(b.turn_ids) - start)
     if sync_turns:
       for i in ended:
         self.slots[i].waiting = True
@@ -285,7 +293,9 @@ class DecodeLoopMixin:
       self._jobs.append([b, b.pages, b.kv_len, tokens, None])
       b.kv_len += len(tokens)
       b.pending = obs[-1]
-    b.state.kv[node.id] = (b.pages, b.kv_len)
+    b.state.kv[node.id] = (b.pages, b.kv_len)  # written by the queued job (`_drop_unwritten`)
+    if b.stale_kv:
+      b.state.old_kv.add(node.id)
 
   def _fit_observation(self, obs_text: str, limit: int) -> list[int]:
     """At most `limit` token ids of the observation; a cut keeps the caller's

@@ -25,7 +25,8 @@ class TreeState:
   admission until `release`.
 
   kv: node id -> (page list, KV tokens written) of the prefix ending at that node: what a fork
-    from the node shares or copies (the root's entry appears when its first branch starts).
+    from the node shares or copies (the root's entry appears when its first branch starts, and
+    again after `update_params` drops it).
   page_refs: the page lists this tree holds one reference each to (every finished branch's, the
     prompt's), freed by `release` or `rollback`.
   branches: branches started so far; the next one's rng stream and `Node.rollout` index.
@@ -36,6 +37,9 @@ class TreeState:
   ahead: admitted as a rollout of the caller's next step (`run(ahead=...)`) and not yet adopted:
     its work is charged to `engine.ahead_ledger`, and the current run neither waits for it nor
     reports it.
+  old_kv: ids of the nodes in `kv` whose K/V was written, at least in part, under weights that
+    `update_params` has since replaced: a branch forked from one samples its tokens from the new
+    weights over the old K/V (neither policy's), and counts them in `meta["stale_tokens"]`.
   """
 
   tree: Tree
@@ -47,6 +51,7 @@ class TreeState:
   shard: int | None = None
   prompt_mean: np.ndarray | None = None
   ahead: bool = False
+  old_kv: set[int] = dataclasses.field(default_factory=set)
 
 
 class _Branch:
@@ -71,6 +76,7 @@ class _Branch:
     self.turn_limit = 0
     self.shard = 0                       # data shard holding the branch's pages and slot
     self.budget = 0                      # decode steps of the next device call
+    self.stale_kv = False                # its K/V holds some written under replaced weights
 
 
 class PageBookkeepingMixin:
@@ -126,6 +132,7 @@ class PageBookkeepingMixin:
       n.children = [c for c in n.children if c < n_nodes]
     for k in [k for k in st.kv if k >= n_nodes]:
       del st.kv[k]
+    st.old_kv = {k for k in st.old_kv if k < n_nodes}  # ids the next nodes take again
 
   def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
     """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
@@ -133,7 +140,9 @@ class PageBookkeepingMixin:
     it was placed on, so a tree larger than a shard's page range cannot be sampled. Callers pass
     the largest tree they will request (e.g. the train loop: stage 1's per-prompt cap, the probe's
     8 samples). Stage-2 continuations fork from pages the tree already holds and are not counted:
-    one that finds its shard full ends its turn as `pool_exhausted`."""
+    one that finds its shard full (at its start or mid-turn) ends its turn as `pool_exhausted`,
+    as does a new prompt that cannot get its pages while nothing on its shard is decoding (see
+    `run`); `run` refuses up front only prompts that could never fit."""
     cfg = self.cfg
     need, have = tree_pages(branches, cfg.max_seq_len, cfg.page_size, cfg.num_pages, self.shards)
     if need > have:
@@ -172,6 +181,37 @@ class PageBookkeepingMixin:
       self.alloc.decref(spare)
     b.state.page_refs.append(b.pages)  # pages stay alive for forks until release(trees)
     self.slots[i] = None
-    b.state.outstanding -= 1
-    if b.state.outstanding == 0 and self._on_trees_done is not None and not b.state.ahead:
-      self._idle.append(b.tree)
+    self._branch_ended(b.state)
+
+  def _branch_ended(self, st: TreeState) -> None:
+    st.outstanding -= 1
+    if st.outstanding == 0 and self._on_trees_done is not None and not st.ahead:
+      self._idle.append(st.tree)
+
+  def _drop_unwritten(self) -> None:
+    """After an aborted run: forgets the K/V records of nodes whose prefill (a prompt's, or an
+    observation's after a turn) was queued but never ran, so no later fork reads K/V that was
+    never written; those nodes are no longer forkable (their pages stay the tree's until
+    `release`). A queued job [owner, pages, start, tokens, ...] has written its K/V up to
+    `start`."""
+    for job in self._jobs:
+      owner, pages, start, tokens = job[:4]
+      if owner is None or not tokens:  # scoring jobs: `prompt_features` cleans up its own
+        continue
+      st = owner.state if isinstance(owner, _Branch) else owner
+      for nid, (kv_pages, n) in list(st.kv.items()):
+        if kv_pages is pages and n > start:
+          del st.kv[nid]
+          st.old_kv.discard(nid)
+
+  def _age_kv(self) -> None:
+    """New weights (`update_params`): every K/V the pool holds was written under the old ones.
+    Live trees forget their prompts' K/V (a branch started from the root later prefills its
+    prompt again, under the new weights; the pages stay the tree's until `release`) and mark
+    their other recorded nodes `old_kv`; branches in slots continue over old K/V (`stale_kv`)."""
+    for st in self._trees.values():
+      st.kv.pop(0, None)
+      st.old_kv.update(st.kv)
+    for b in self.slots:
+      if b is not None:
+        b.stale_kv = True
