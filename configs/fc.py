@@ -1,4 +1,4 @@
-"""Function calling: chained calls to a stateful synthetic API (`trace_jax/envs/fc_world.py`).
+"""Function calling: chained calls to a stateful synthetic API (`trace_jax/envs/tasks/fc_world.py`).
 
   python launch/train.py --config=configs/fc.py                    # warm start + RL, CPU
   python launch/train.py --config=configs/fc.py:smoke              # a few steps at toy size

@@ -2,7 +2,7 @@
 
 Variants:
   tiny (default)  the embedded synthetic multi-hop world, tiny Qwen3, runs on a laptop CPU
-  lessons         the many-lessons world (`trace_jax/envs/lessons_world.py`; projects/lessons)
+  lessons         the many-lessons world (`envs/worlds/lessons_world.py`; projects/lessons)
   smoke           the same loop at toy size (a few steps), used by CI
   qwen3_8b        paper-style run with a local Qwen3-8B checkpoint and local data
   qwen3_14b       paper scale (Qwen3-14B); model, data and retriever paths are required

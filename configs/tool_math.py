@@ -1,4 +1,4 @@
-"""Tool-use math: word problems solved through a calculator (`trace_jax/envs/math_world.py`).
+"""Tool-use math: word problems solved through a calculator (`trace_jax/envs/tasks/math_world.py`).
 
   python launch/train.py --config=configs/tool_math.py              # warm start + RL, CPU
   python launch/train.py --config=configs/tool_math.py:smoke        # a few steps at toy size

@@ -128,9 +128,9 @@ def _make_retriever(spec: str, world_fn):
   if kind == "world":
     return world_fn().retriever()
   if kind == "bm25":
-    from trace_jax.envs.retrieval import BM25Retriever
+    from trace_jax.envs.retrieval.bm25 import BM25Retriever
     return BM25Retriever.load(arg) if os.path.isdir(arg) else BM25Retriever.from_jsonl(arg)
-  from trace_jax.envs.http_retriever import HTTPRetriever
+  from trace_jax.envs.retrieval.http_client import HTTPRetriever
   return HTTPRetriever(arg)
 
 
@@ -223,7 +223,7 @@ def main(argv):
   from trace_jax.config import sampler_config
   from trace_jax.envs import prompts
   from trace_jax.envs.adapter import TreeEnvAdapter
-  from trace_jax.envs.env import MultiHopEnv
+  from trace_jax.envs.tasks.multihop import MultiHopEnv
   from trace_jax.evaluate import evaluate
   from trace_jax.parallel import initialize, make_mesh, shard_state
   from trace_jax.sampling.engine import SamplerEngine

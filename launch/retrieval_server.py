@@ -20,8 +20,8 @@ dripping connections free their worker.
 The first stdout line is `serving <what> (<n> docs) on http://HOST:PORT`, so scripts that start
 the server with `--port 0` can read the port from it.
 
-From Python, `serve(retriever, host, port)` (re-exported here from trace_jax.envs.http_retriever)
-starts the same server in a background thread and returns it.
+From Python, `serve(retriever, host, port)` (re-exported here from
+trace_jax.envs.retrieval.http_client) starts the same server in a background thread and returns it.
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ import signal
 import threading
 import sys
 
-from trace_jax.envs.http_retriever import DEFAULT_PORT
-from trace_jax.envs.http_retriever import MAX_BODY_BYTES
-from trace_jax.envs.http_retriever import MAX_QUERIES
-from trace_jax.envs.http_retriever import MAX_QUERY_CHARS
-from trace_jax.envs.http_retriever import MAX_RESPONSE_BYTES
-from trace_jax.envs.http_retriever import MAX_WORKERS
-from trace_jax.envs.http_retriever import RetrievalServer
-from trace_jax.envs.http_retriever import TIMEOUT_S
-from trace_jax.envs.http_retriever import serve
+from trace_jax.envs.retrieval.http_client import DEFAULT_PORT
+from trace_jax.envs.retrieval.http_client import MAX_BODY_BYTES
+from trace_jax.envs.retrieval.http_client import MAX_QUERIES
+from trace_jax.envs.retrieval.http_client import MAX_QUERY_CHARS
+from trace_jax.envs.retrieval.http_client import MAX_RESPONSE_BYTES
+from trace_jax.envs.retrieval.http_client import MAX_WORKERS
+from trace_jax.envs.retrieval.http_client import RetrievalServer
+from trace_jax.envs.retrieval.http_client import TIMEOUT_S
+from trace_jax.envs.retrieval.http_client import serve
 
 # A directory written by synthetic_world.World.save.
 _WORLD_FILE = "world.json"
-# A saved BM25Retriever directory is recognised by this file (see envs/retrieval.py).
+# A saved BM25Retriever directory is recognised by this file (see envs/retrieval/bm25.py).
 _INDEX_MARKER = "retriever.json"
 # Corpus file names tried, in order, inside a --world directory.
 _CORPUS_NAMES = ("corpus.jsonl", "docs.jsonl", "passages.jsonl")
@@ -81,7 +81,7 @@ def build_retriever(index: str | None = None, corpus: str | None = None,
     if not os.path.isdir(world):
       raise FileNotFoundError(f"--world {world}: not a directory")
     if os.path.exists(os.path.join(world, _WORLD_FILE)):
-      from trace_jax.envs.synthetic_world import World  # Lazy: only worlds need it.
+      from trace_jax.envs.worlds.synthetic_world import World  # Lazy: only worlds need it.
 
       synthetic = World.load(world)
       return synthetic.retriever(), f"synthetic world {world}"
@@ -93,7 +93,7 @@ def build_retriever(index: str | None = None, corpus: str | None = None,
             f"--world {world}: no {_WORLD_FILE}, no saved BM25 index ({_INDEX_MARKER}) and no "
             f"corpus jsonl ({', '.join(_CORPUS_NAMES)}) in it")
   # Imported here so that `serve` can be imported without pulling in bm25s.
-  from trace_jax.envs.retrieval import BM25Retriever
+  from trace_jax.envs.retrieval.bm25 import BM25Retriever
 
   if index is not None:
     retriever, what = BM25Retriever.load(index), f"BM25 index {index}"

@@ -79,7 +79,7 @@ def _typed(cdict):
 def world_parts(c, parts) -> dict:
   """oracle, names and lessons: the world alone (no model)."""
   from trace_jax.assets import load_world_assets, seen_entities
-  from trace_jax.envs.synthetic import expert_trace, oracle_world
+  from trace_jax.envs.worlds.synthetic import expert_trace, oracle_world
 
   assets = load_world_assets(c)
   world = assets.world

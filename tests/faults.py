@@ -27,7 +27,7 @@ class FailingRetriever:
     self.retriever, self.left = retriever, count
 
   def search(self, queries, k):
-    from trace_jax.envs.http_retriever import RetrieverError
+    from trace_jax.envs.retrieval.http_client import RetrieverError
     if self.left > 0:
       self.left -= 1
       print(f"[trace_jax] injected retriever error ({self.left} more to come)", flush=True)

@@ -74,7 +74,7 @@ def test_trap_rate_keys_its_own_world_and_warm_start(tmp_path):
   import pytest
 
   from trace_jax.assets import world_dir_name
-  from trace_jax.envs.synthetic import SyntheticWorldConfig
+  from trace_jax.envs.worlds.synthetic import SyntheticWorldConfig
 
   assert mhqa.DEFAULT_TRAP_RATE == SyntheticWorldConfig.trap_rate
   import json
@@ -112,7 +112,7 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
   """A change to the expert's traces or the tokenizer's words (same config) misses the cache: a
   first version keyed on the config alone restored a warm start trained with another vocabulary
   after the function-calling expert's thoughts changed."""
-  from trace_jax.envs import fc_world
+  from trace_jax.envs.tasks import fc_world
 
   c = _cfg(task="fc", world__cache_dir=str(tmp_path))
   base = warm_start.warm_start_sample_sha1(c, assets.load_assets(c))

@@ -256,7 +256,7 @@ def test_a_well_formed_environment_passes_unchanged():
 
 
 def test_the_multihop_env_passes_the_checks():
-  from trace_jax.envs.env import MultiHopEnv
+  from trace_jax.envs.tasks.multihop import MultiHopEnv
   from trace_jax.envs.types import Doc
 
   class Docs:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trace_jax.envs.env import MultiHopEnv
+from trace_jax.envs.tasks.multihop import MultiHopEnv
 from trace_jax.envs.interface import FunctionEnv, StepResult, ToolEnv, check_env
 from trace_jax.envs.types import Doc
 

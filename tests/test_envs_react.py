@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_jax.envs import react
-from trace_jax.envs.env import MultiHopEnv, segments_to_tokens
+from trace_jax.envs.tasks.multihop import MultiHopEnv, segments_to_tokens
 from trace_jax.envs.types import Doc
 
 # --- parse_action ----------------------------------------------------------------------------

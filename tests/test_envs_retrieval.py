@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from trace_jax.envs import retrieval
-from trace_jax.envs.retrieval import BM25Retriever, load_corpus_jsonl
+from trace_jax.envs.retrieval import bm25 as retrieval
+from trace_jax.envs.retrieval.bm25 import BM25Retriever, load_corpus_jsonl
 from trace_jax.envs.types import Doc
 
 DOCS = [
@@ -98,7 +98,7 @@ def test_save_load(tmp_path, retriever):
 
 
 def test_top_k_breaks_ties_by_index_and_drops_zero_scores():
-  from trace_jax.envs.retrieval import top_k
+  from trace_jax.envs.retrieval.bm25 import top_k
 
   s = np.array([0.5, 2.0, 0.0, 2.0, 1.0, 2.0 + 1e-7])  # 1, 3 and 5 tie to 4 decimals
   assert top_k(s, 2).tolist() == [1, 3]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from trace_jax.envs import react
-from trace_jax.envs import synthetic as syn
-from trace_jax.envs.env import MultiHopEnv, segments_to_tokens
+from trace_jax.envs.worlds import synthetic as syn
+from trace_jax.envs.tasks.multihop import MultiHopEnv, segments_to_tokens
 
 SMALL = syn.SyntheticWorldConfig(seed=3, n_entities=300, n_train=200, n_test=60)
 

@@ -12,7 +12,7 @@ import pytest
 
 from test_train_smoke import launch, smoke_run
 
-from trace_jax.envs.synthetic import World
+from trace_jax.envs.worlds.synthetic import World
 
 pytestmark = pytest.mark.slow
 
@@ -81,9 +81,9 @@ def test_eval_hf_checkpoint(run, tmp_path, retriever):
   or a retrieval server (in this process) answering over HTTP."""
   from flax import nnx
 
-  from trace_jax.envs.http_retriever import serve
-  from trace_jax.envs.retrieval import BM25Retriever, write_corpus_jsonl
-  from trace_jax.envs.synthetic import build_hf_tokenizer
+  from trace_jax.envs.retrieval.http_client import serve
+  from trace_jax.envs.retrieval.bm25 import BM25Retriever, write_corpus_jsonl
+  from trace_jax.envs.worlds.synthetic import build_hf_tokenizer
   from trace_jax.models.qwen3 import Qwen3, get_preset
   from trace_jax.models.qwen3.params import save_pretrained
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from trace_jax.envs.fc_world import (
+from trace_jax.envs.tasks.fc_world import (
     ApiState, CallError, FCWorld, FCWorldConfig, build_fc_tokenizer, calls_match, compact,
     execute, expert_segments, generate_fc_world, make_fc_env, parse_call, read_bfcl,
 )

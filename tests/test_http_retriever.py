@@ -13,12 +13,12 @@ import urllib.request
 
 import pytest
 
-from trace_jax.envs.http_retriever import HTTPRetriever
-from trace_jax.envs.http_retriever import RetrieverError
-from trace_jax.envs.http_retriever import RetrieverUnavailableError
-from trace_jax.envs.http_retriever import doc_from_json
-from trace_jax.envs.http_retriever import results_from_json
-from trace_jax.envs.http_retriever import serve
+from trace_jax.envs.retrieval.http_client import HTTPRetriever
+from trace_jax.envs.retrieval.http_client import RetrieverError
+from trace_jax.envs.retrieval.http_client import RetrieverUnavailableError
+from trace_jax.envs.retrieval.http_client import doc_from_json
+from trace_jax.envs.retrieval.http_client import results_from_json
+from trace_jax.envs.retrieval.http_client import serve
 from trace_jax.envs.types import Doc
 
 DOCS = [
@@ -237,7 +237,7 @@ def _write_corpus(path):
 
 
 def test_bm25_round_trip_in_process(tmp_path):
-  from trace_jax.envs.retrieval import BM25Retriever
+  from trace_jax.envs.retrieval.bm25 import BM25Retriever
 
   bm25 = BM25Retriever.from_jsonl(_write_corpus(tmp_path / "corpus.jsonl"))
   with serve(bm25, "127.0.0.1", 0) as srv:
@@ -272,7 +272,7 @@ def _stop(proc):
 
 @pytest.mark.parametrize("mode", ["corpus", "world"])
 def test_launcher_serves_corpus_and_world_dir(tmp_path, mode):
-  from trace_jax.envs.retrieval import BM25Retriever
+  from trace_jax.envs.retrieval.bm25 import BM25Retriever
 
   corpus = _write_corpus(tmp_path / "corpus.jsonl")
   bm25 = BM25Retriever.from_jsonl(corpus)
@@ -302,8 +302,8 @@ def test_launcher_rejects_empty_world_dir(tmp_path):
 
 
 def test_launcher_serves_saved_synthetic_world(tmp_path):
-  from trace_jax.envs.synthetic_world import SyntheticWorldConfig
-  from trace_jax.envs.synthetic_world import generate_world
+  from trace_jax.envs.worlds.synthetic_world import SyntheticWorldConfig
+  from trace_jax.envs.worlds.synthetic_world import generate_world
 
   world = generate_world(SyntheticWorldConfig(seed=2, n_entities=120, n_train=8, n_test=4))
   world.save(str(tmp_path / "world"))

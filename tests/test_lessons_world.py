@@ -1,5 +1,5 @@
-"""The many-lessons world (`trace_jax.envs.lessons_world`): its guarantees, its expert, its file
-format, its config, and a smoke run of two methods on it."""
+"""The many-lessons world (`trace_jax.envs.worlds.lessons_world`): its guarantees, its expert, its
+file format, its config, and a smoke run of two methods on it."""
 
 import collections
 import dataclasses
@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.envs.lessons_world import LessonsWorldConfig, generate_lessons_world
-from trace_jax.envs.synthetic import World, build_tokenizer, expert_trace, oracle_world
-from trace_jax.envs.synthetic_traces import read_fact
+from trace_jax.envs.worlds.lessons_world import LessonsWorldConfig, generate_lessons_world
+from trace_jax.envs.worlds.synthetic import World, build_tokenizer, expert_trace, oracle_world
+from trace_jax.envs.worlds.synthetic_traces import read_fact
 from trace_jax.provenance import world_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +183,7 @@ def test_two_methods_train_on_the_lessons_world(tmp_path):
 
 
 def test_wording_use_reads_the_policys_queries(world):
-  from trace_jax.envs.lessons_world import wording_rates, wording_use
+  from trace_jax.envs.worlds.lessons_world import wording_rates, wording_use
 
   r = next(iter(world.lessons))
   fact, decoy = world.lessons[r]["fact_verb"], world.lessons[r]["decoy_verbs"][0]

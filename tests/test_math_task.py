@@ -7,9 +7,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from trace_jax.envs.calculator import CalculatorError, calculate, format_value
+from trace_jax.envs.tasks.calculator import CalculatorError, calculate, format_value
 from trace_jax.envs.interface import ToolEnv
-from trace_jax.envs.math_world import (
+from trace_jax.envs.tasks.math_world import (
     MathWorld, MathWorldConfig, answers_match, build_math_tokenizer, expert_segments,
     final_answer, generate_math_world, make_math_env, read_math_jsonl, squash_digits,
 )

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.envs.env import MultiHopEnv
+from trace_jax.envs.tasks.multihop import MultiHopEnv
 from trace_jax.envs.types import Doc
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.plan import plan_memory

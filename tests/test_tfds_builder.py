@@ -117,8 +117,8 @@ def test_nothing_to_build(tmp_path):
 
 
 def test_build_from_saved_synthetic_world(tmp_path):
-  from trace_jax.envs.synthetic_world import SyntheticWorldConfig
-  from trace_jax.envs.synthetic_world import generate_world
+  from trace_jax.envs.worlds.synthetic_world import SyntheticWorldConfig
+  from trace_jax.envs.worlds.synthetic_world import generate_world
 
   world = generate_world(SyntheticWorldConfig(seed=3, n_entities=120, n_train=12, n_test=4))
   world.save(str(tmp_path / "world"))

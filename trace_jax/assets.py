@@ -78,7 +78,7 @@ class Assets:
     how many lessons are above one half (`lessons_known`)."""
     if not self.wants_eval_trees:
       return {}
-    from trace_jax.envs.lessons_world import wording_rates
+    from trace_jax.envs.worlds.lessons_world import wording_rates
     rates = wording_rates(self.world, trees)
     return {**{f"fact_verb/{r}": v for r, v in sorted(rates.items())},
             "lessons_known": sum(v > 0.5 for v in rates.values())}
@@ -93,7 +93,8 @@ def uses_real_data(c) -> bool:
   return str(c.variant).startswith(REAL_VARIANTS)
 
 
-# The lessons world's own fields (`envs.lessons_world`); the tool tasks read the expert rates too.
+# The lessons world's own fields (`envs.worlds.lessons_world`); the tool tasks read the expert
+# rates too.
 LESSONS_FIELDS = ("n_relations", "n_wordings", "n_plain_relations", "one_lesson_per_question",
                   "zipf_exponent", "expert_rate_lo", "expert_rate_hi", "expert_rate_spacing",
                   "n_test", "balanced_test")
@@ -148,13 +149,13 @@ def build_retriever(c, world=None):
                        "'bm25' or 'http'")
     return world.retriever()
   if kind == "bm25":
-    from trace_jax.envs.retrieval import BM25Retriever
+    from trace_jax.envs.retrieval.bm25 import BM25Retriever
     p = c.retriever.index_path
     if not p or not os.path.exists(p):
       raise FileNotFoundError(f"retriever.index_path={p!r}: no such index directory or corpus")
     return BM25Retriever.load(p) if os.path.isdir(p) else BM25Retriever.from_jsonl(p)
   if kind == "http":
-    from trace_jax.envs.http_retriever import HTTPRetriever
+    from trace_jax.envs.retrieval.http_client import HTTPRetriever
     r = c.retriever
     retriever = HTTPRetriever(r.url, batch_size=r.batch_size, timeout_s=r.timeout_s,
                               max_retries=r.retries, backoff_s=r.backoff_s,
@@ -174,7 +175,7 @@ def check_retriever_health(retriever, retries: int = 1) -> dict:
 
   Bounded by `retriever.worst_case_s(retries)`: about 2 x timeout_s for a hung server, well under
   a second for a refused connection."""
-  from trace_jax.envs.http_retriever import RetrieverError
+  from trace_jax.envs.retrieval.http_client import RetrieverError
 
   retries = min(retries, retriever.max_retries)
   try:
@@ -195,7 +196,7 @@ def build_env(c, assets: "Assets"):
   """The run's `MultiHopEnv`: top-k passages per search, observations capped in bytes
   (`env.max_obs_bytes`) and in tokens (`env.max_obs_tokens`, under the policy's tokenizer) with
   the closing tag kept."""
-  from trace_jax.envs.env import MultiHopEnv
+  from trace_jax.envs.tasks.multihop import MultiHopEnv
 
   return MultiHopEnv(assets.retriever, c.env.reward, max_turns=c.env.max_turns,
                      topk=c.retriever.topk, max_obs_bytes=c.env.max_obs_bytes,
@@ -265,7 +266,7 @@ def select_hops(c, train: list) -> list:
 
 
 def default_trap_rate() -> float:
-  from trace_jax.envs.synthetic import SyntheticWorldConfig
+  from trace_jax.envs.worlds.synthetic import SyntheticWorldConfig
   return SyntheticWorldConfig.trap_rate
 
 
@@ -317,7 +318,7 @@ def cached_world(wdir: str, filename: str, generate, load):
 
 def lessons_world_config(c):
   """The `LessonsWorldConfig` of config `c`'s world section."""
-  from trace_jax.envs.lessons_world import LessonsWorldConfig
+  from trace_jax.envs.worlds.lessons_world import LessonsWorldConfig
 
   w = c.world
   return LessonsWorldConfig(
@@ -330,8 +331,8 @@ def lessons_world_config(c):
 
 def make_world(c):
   """A new synthetic world of config `c`'s kind (not cached: `load_world_assets` caches)."""
-  from trace_jax.envs.lessons_world import generate_lessons_world
-  from trace_jax.envs.synthetic import SyntheticWorldConfig, generate_world
+  from trace_jax.envs.worlds.lessons_world import generate_lessons_world
+  from trace_jax.envs.worlds.synthetic import SyntheticWorldConfig, generate_world
 
   if c.world.kind == "lessons":
     return generate_lessons_world(lessons_world_config(c))
@@ -363,7 +364,7 @@ def world_examples(world, encode, bos_id, prompt_fn, split: str = "test") -> lis
 
 
 def load_world_assets(c) -> Assets:
-  from trace_jax.envs.synthetic import World, build_tokenizer
+  from trace_jax.envs.worlds.synthetic import World, build_tokenizer
 
   # An HTTP retriever (e.g. launch/retrieval_server.py --world) is checked before anything else.
   served = build_retriever(c) if c.retriever.kind == "http" else None
@@ -396,11 +397,11 @@ def load_assets(c) -> Assets:
 
 
 def tool_task_assets(c) -> Assets:
-  """An embedded tool task (`envs.tool_tasks`: `task=math` or `fc`): its problems, generated from
-  the world section's seed and expert rates and cached under `world.cache_dir`, its tokenizer,
+  """An embedded tool task (`envs.tasks.tool_tasks`: `task=math` or `fc`): its problems, generated
+  from the world section's seed and expert rates and cached under `world.cache_dir`, its tokenizer,
   its environment; held-out EM is the environment's reward (math-verify's check, or the final
   state and the answer), also per template (`groups`)."""
-  from trace_jax.envs.tool_tasks import EMBEDDED_TASKS
+  from trace_jax.envs.tasks.tool_tasks import EMBEDDED_TASKS
 
   spec = EMBEDDED_TASKS[c.task]
   cfg = spec.world_config(seed=c.world.seed,

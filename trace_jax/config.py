@@ -54,7 +54,8 @@ class ModelSection:
 
 
 SFT_TRACES = ("expert", "oracle")  # the warm start imitates the imperfect expert, or the oracle
-WORLD_KINDS = ("traps", "lessons")  # envs.synthetic_world (two trap relations), envs.lessons_world
+# envs.worlds.synthetic_world (two trap relations), envs.worlds.lessons_world
+WORLD_KINDS = ("traps", "lessons")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +69,11 @@ class WorldSection:
                           "rarer in the traces, so RL must discover it.", ge=0, le=1)
   kind: str = knob("traps", "traps: the embedded world (two trap relations, one rule to learn); "
                    "lessons: K independent lessons with long-tailed frequency "
-                   "(trace_jax/envs/lessons_world.py; the `lessons` variant).", choices=WORLD_KINDS)
+                   "(trace_jax/envs/worlds/lessons_world.py; the `lessons` variant).",
+                   choices=WORLD_KINDS)
   n_relations: int = knob(32, "lessons world: K lessons, each a relation with its own verbs (the "
-                          "shape: trace_jax/envs/lessons_world.py; projects/lessons/README.md, "
-                          "world v4)")
+                          "shape: trace_jax/envs/worlds/lessons_world.py; "
+                          "projects/lessons/README.md, world v4)")
   n_wordings: int = knob(2, "lessons world: query verbs per lesson relation, the fact verb and W "
                          "- 1 decoys", ge=2, note='(a fact verb and at least one decoy)')
   n_plain_relations: int = knob(4, "lessons world: relations with nothing to learn (one verb, no "

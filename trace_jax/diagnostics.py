@@ -205,8 +205,8 @@ def lesson_choice_probs(graphdef, params, assets, examples, chunk: int = 64) -> 
   greedy searches, which flips wholesale when a lesson near one half moves a little. The final
   states come from the sampler's prompt-feature forward (`engine_ops.make_feature_step`), in
   rows of `chunk`."""
-  from trace_jax.envs.synthetic import oracle_world
-  from trace_jax.envs.synthetic_traces import expert_trace, trace_segments
+  from trace_jax.envs.worlds.synthetic import oracle_world
+  from trace_jax.envs.worlds.synthetic_traces import expert_trace, trace_segments
   from trace_jax.sampling.engine_ops import make_feature_step
   from trace_jax.sft import encode_segments
 

@@ -106,7 +106,7 @@ def _mhqa_load(c) -> assets_lib.Assets:
 def _world_traces(c, assets, n, rng, examples=None) -> list:
   """The synthetic world's expert traces (or, with `sft.traces=oracle`, the oracle's) on its
   train questions (or on `examples`)."""
-  from trace_jax.envs.synthetic import make_sft_dataset, oracle_world
+  from trace_jax.envs.worlds.synthetic import make_sft_dataset, oracle_world
 
   world = assets.world if c.sft.traces == "expert" else oracle_world(assets.world)
   return [(r.segments(), r.trace.correct)
@@ -115,7 +115,7 @@ def _world_traces(c, assets, n, rng, examples=None) -> list:
 
 def _tool_traces(c, assets, n, rng, examples=None) -> list:
   """An embedded tool task's expert traces (the template's method at its expert rate)."""
-  from trace_jax.envs.tool_tasks import EMBEDDED_TASKS
+  from trace_jax.envs.tasks.tool_tasks import EMBEDDED_TASKS
 
   expert = EMBEDDED_TASKS[c.task].expert
   pool = assets.world.train if examples is None else examples

@@ -654,7 +654,7 @@ def world_lessons(world_seed: int, overrides: list[str]) -> dict:
   """The lessons (weight, expert rate) of the world a run trained on (regenerated: seconds)."""
   from configs import mhqa
   from trace_jax.assets import lessons_world_config
-  from trace_jax.envs.lessons_world import generate_lessons_world
+  from trace_jax.envs.worlds.lessons_world import generate_lessons_world
 
   c = mhqa.get_config("lessons")
   for o in overrides:

@@ -65,7 +65,7 @@ def main(argv):
   from trace_jax.config import sampler_config
   from trace_jax.diagnostics import classify_failure, failure_breakdown, prefix_signal
   from trace_jax.envs.adapter import TreeEnvAdapter
-  from trace_jax.envs.env import MultiHopEnv
+  from trace_jax.envs.tasks.multihop import MultiHopEnv
   from trace_jax.evaluate import evaluate, sampling_mode
   from trace_jax.models.predictor import PredictorHead
   from trace_jax.rl.batch import tree_metrics

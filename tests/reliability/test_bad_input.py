@@ -261,7 +261,7 @@ def test_load_qa_rejects_a_directory_clearly(tmp_path):
 
 
 def test_synthetic_world_without_test_questions_is_an_error_not_nan(tmp_path):
-  from trace_jax.envs.synthetic_world import SyntheticWorldConfig, generate_world
+  from trace_jax.envs.worlds.synthetic_world import SyntheticWorldConfig, generate_world
 
   world = generate_world(SyntheticWorldConfig(seed=2, n_entities=120, n_train=8, n_test=4))
   world.test = []

@@ -21,10 +21,10 @@ import time
 import numpy as np
 import pytest
 
-from trace_jax.envs.calculator import CalculatorError, calculate
-from trace_jax.envs.http_retriever import (HTTPRetriever, RetrieverError, doc_from_json,
+from trace_jax.envs.tasks.calculator import CalculatorError, calculate
+from trace_jax.envs.retrieval.http_client import (HTTPRetriever, RetrieverError, doc_from_json,
                                            results_from_json, serve)
-from trace_jax.envs.math_world import make_math_env
+from trace_jax.envs.tasks.math_world import make_math_env
 from trace_jax.envs.types import Doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ TOWERS = ["9 * * 9 * * 9 * * 9", "9**9**9", "9^{9^{9}}", "(9^999)^999", "$99999!
 
 _CHECK = textwrap.dedent("""
     import json, sys, threading, time
-    from trace_jax.envs.math_world import answers_match, make_math_env
+    from trace_jax.envs.tasks.math_world import answers_match, make_math_env
     answers = json.loads(sys.argv[1])
     def check(where):
       for a in answers:
@@ -75,7 +75,7 @@ def test_power_towers_and_factorials_are_wrong_answers_not_stalls():
 
 
 def test_cost_screen_keeps_ordinary_answers():
-  from trace_jax.envs.math_world import too_costly
+  from trace_jax.envs.tasks.math_world import too_costly
 
   for text in TOWERS + ["2^{99999}", "9^9^9", "$10^{10^{10}}$", "9 ** 9999", "$9^{9}^{9}$"]:
     assert too_costly(text), text
@@ -451,14 +451,14 @@ def test_host_objects_round_trip_exactly_and_others_are_refused_at_the_sender(mo
 
 
 def _small_world():
-  from trace_jax.envs import synthetic as syn
+  from trace_jax.envs.worlds import synthetic as syn
 
   return syn.generate_world(syn.SyntheticWorldConfig(seed=3, n_entities=300, n_train=200,
                                                      n_test=60))
 
 
 def test_a_world_save_that_fails_midway_leaves_the_old_file_whole(tmp_path):
-  from trace_jax.envs.synthetic_world import World
+  from trace_jax.envs.worlds.synthetic_world import World
 
   world = _small_world()
   world.save(str(tmp_path))
@@ -471,7 +471,7 @@ def test_a_world_save_that_fails_midway_leaves_the_old_file_whole(tmp_path):
 
 
 def test_a_torn_world_file_is_reported_as_corrupt(tmp_path):
-  from trace_jax.envs.synthetic_world import World
+  from trace_jax.envs.worlds.synthetic_world import World
   from trace_jax.fileio import CorruptFileError
 
   _small_world().save(str(tmp_path))
@@ -503,7 +503,7 @@ def test_a_concurrent_reader_never_sees_a_half_written_world(tmp_path):
   world = _small_world()
   world.save(str(tmp_path))
   reader = ("import sys, time\n"
-            "from trace_jax.envs.synthetic_world import World\n"
+            "from trace_jax.envs.worlds.synthetic_world import World\n"
             "t = time.time(); n = 0\n"
             "while time.time() - t < 3:\n"
             "  World.load(sys.argv[1]); n += 1\n"
@@ -521,7 +521,7 @@ def test_a_concurrent_reader_never_sees_a_half_written_world(tmp_path):
 def test_the_world_cache_rebuilds_a_torn_file(tmp_path):
   """`cached_world` reads a whole cached world, and rebuilds one a killed run left torn."""
   from trace_jax.assets import cached_world
-  from trace_jax.envs.synthetic_world import World
+  from trace_jax.envs.worlds.synthetic_world import World
 
   built = []
 
@@ -541,7 +541,7 @@ def test_the_world_cache_rebuilds_a_torn_file(tmp_path):
 
 
 def test_a_torn_tool_task_world_is_reported_as_corrupt(tmp_path):
-  from trace_jax.envs.math_world import MathWorld, MathWorldConfig, generate_math_world
+  from trace_jax.envs.tasks.math_world import MathWorld, MathWorldConfig, generate_math_world
   from trace_jax.fileio import CorruptFileError
 
   generate_math_world(MathWorldConfig(seed=0, n_train=8, n_test=4)).save(str(tmp_path))

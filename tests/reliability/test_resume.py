@@ -232,7 +232,7 @@ def test_garbled_reply_is_retried():
   import http.server
   import threading
 
-  from trace_jax.envs.http_retriever import HTTPRetriever
+  from trace_jax.envs.retrieval.http_client import HTTPRetriever
   calls = []
 
   class Handler(http.server.BaseHTTPRequestHandler):

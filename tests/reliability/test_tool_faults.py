@@ -16,8 +16,8 @@ from configs import mhqa, runs
 from trace_jax.warm_start import warm_start_key
 from trace_jax import assets as assets_lib
 from trace_jax.envs import react
-from trace_jax.envs.env import MultiHopEnv
-from trace_jax.envs.http_retriever import (
+from trace_jax.envs.tasks.multihop import MultiHopEnv
+from trace_jax.envs.retrieval.http_client import (
   HTTPRetriever,
   RetrieverError,
   RetrieverUnavailableError,
@@ -275,8 +275,8 @@ def test_byte_cap_is_fair_and_utf8_safe():
 
 
 def test_token_space_truncation_keeps_the_closing_tag_under_the_policy_tokenizer():
-  from trace_jax.envs.synthetic import build_tokenizer
-  from trace_jax.envs.synthetic_world import SyntheticWorldConfig, generate_world
+  from trace_jax.envs.worlds.synthetic import build_tokenizer
+  from trace_jax.envs.worlds.synthetic_world import SyntheticWorldConfig, generate_world
 
   world = generate_world(SyntheticWorldConfig(seed=2, n_entities=120, n_train=8, n_test=4))
   tok = build_tokenizer(world)

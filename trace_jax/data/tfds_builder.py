@@ -176,7 +176,7 @@ def build_qa_dataset(data_dir: str | os.PathLike, train_path: str | None = None,
       `overwrite` is False (reusing it silently would train on the wrong data).
   """
   if isinstance(world, (str, os.PathLike)):
-    from trace_jax.envs.synthetic_world import World  # Lazy: file datasets do not need it.
+    from trace_jax.envs.worlds.synthetic_world import World  # Lazy: file datasets do not need it.
 
     world_dir, world = os.path.abspath(world), World.load(os.fspath(world))
   else:

@@ -57,7 +57,7 @@ class ToolEnv(Protocol):
   `observation_close`, `max_turns`, `reset(example) -> state` and
   `step_batch(states, texts) -> [StepResult]`.
 
-  >>> from trace_jax.envs.env import MultiHopEnv
+  >>> from trace_jax.envs.tasks.multihop import MultiHopEnv
   >>> isinstance(MultiHopEnv(retriever=None), ToolEnv)
   True
   >>> MultiHopEnv.stop_strings

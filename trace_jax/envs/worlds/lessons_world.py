@@ -34,9 +34,9 @@ from typing import Optional
 
 import numpy as np
 
-from trace_jax.envs.problem_world import stratified_rates
-from trace_jax.envs.synthetic_schema import NAME_CODAS, NAME_ONSETS, NAME_VOWELS, Relation
-from trace_jax.envs.synthetic_world import (  # noqa: F401  (LessonsWorldConfig re-exported)
+from trace_jax.envs.tasks.problem_world import stratified_rates
+from trace_jax.envs.worlds.synthetic_schema import NAME_CODAS, NAME_ONSETS, NAME_VOWELS, Relation
+from trace_jax.envs.worlds.synthetic_world import (  # noqa: F401  (LessonsWorldConfig re-exported)
     LessonsWorldConfig, SyntheticQuestion, World, _make_names, _twin_of, question_text,
 )
 from trace_jax.envs.types import Doc
@@ -316,7 +316,7 @@ def fact_doc_id(relation: str, subject: str) -> str:
 
 
 def _oracle_reads(world: World, rels, chain) -> bool:
-  from trace_jax.envs.synthetic_traces import read_fact
+  from trace_jax.envs.worlds.synthetic_traces import read_fact
 
   for r, s, o in zip(rels, chain[:-1], chain[1:]):
     docs = world.search([world.relations[r].query_passage.format(x=s)])[0]

@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from trace_jax.envs.retrieval import BM25Retriever
-from trace_jax.envs.synthetic_schema import (  # noqa: F401  (some names re-exported)
+from trace_jax.envs.retrieval.bm25 import BM25Retriever
+from trace_jax.envs.worlds.synthetic_schema import (  # noqa: F401  (some names re-exported)
     CITY_COUNTRY_ALTERNATIVES, DISTRACTOR_TEMPLATES, ENTITY_TYPES, FORBIDDEN_RELATION_PAIRS,
     NAME_CODAS, NAME_ONSETS, NAME_VOWELS, NEXT_RELATIONS_BY_TYPE, RELATIONS, RESERVED_NAMES,
     TYPE_INTROS, Relation,

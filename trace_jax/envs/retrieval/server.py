@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from trace_jax.envs.retrieval_wire import (DEFAULT_PORT, MAX_BODY_BYTES, MAX_QUERIES,
+from trace_jax.envs.retrieval.wire import (DEFAULT_PORT, MAX_BODY_BYTES, MAX_QUERIES,
                                            MAX_RESPONSE_BYTES, AnswerTooLarge, BoundedSocket,
                                            encode_results, json_bytes, loads_bounded)
 from trace_jax.envs.types import Doc, Retriever

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from trace_jax.envs import fc_world, math_world
+from trace_jax.envs.tasks import fc_world
+from trace_jax.envs.tasks import math_world
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,9 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
-from trace_jax.envs.retrieval_server import (MAX_QUERY_CHARS, MAX_WORKERS, TIMEOUT_S,
+from trace_jax.envs.retrieval.server import (MAX_QUERY_CHARS, MAX_WORKERS, TIMEOUT_S,
                                              RetrievalServer, serve)
-from trace_jax.envs.retrieval_wire import (DEFAULT_PORT, MAX_BODY_BYTES, MAX_QUERIES,
+from trace_jax.envs.retrieval.wire import (DEFAULT_PORT, MAX_BODY_BYTES, MAX_QUERIES,
                                            MAX_RESPONSE_BYTES, BoundedSocket, BudgetExceeded,
                                            RetrieverError, RetrieverUnavailableError,
                                            doc_from_json, doc_to_json, loads_bounded, preview,

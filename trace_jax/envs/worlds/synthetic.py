@@ -2,7 +2,7 @@
 
   world = generate_world(SyntheticWorldConfig(seed=0))
   trace = expert_trace(world, world.train[0], np.random.default_rng(0))
-  python -m trace_jax.envs.synthetic --seed 0 --stats
+  python -m trace_jax.envs.worlds.synthetic --seed 0 --stats
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Optional
 
 import numpy as np
 
-from trace_jax.envs.synthetic_tokenizer import build_hf_tokenizer, build_tokenizer
-from trace_jax.envs.synthetic_traces import (
+from trace_jax.envs.worlds.synthetic_tokenizer import build_hf_tokenizer, build_tokenizer
+from trace_jax.envs.worlds.synthetic_traces import (
     SFTRecord, Trace, expert_trace, make_sft_dataset, oracle_world, read_fact, trace_segments,
 )
-from trace_jax.envs.synthetic_world import (
+from trace_jax.envs.worlds.synthetic_world import (
     RELATIONS, SyntheticQuestion, SyntheticWorldConfig, World, generate_world, question_text,
 )
 

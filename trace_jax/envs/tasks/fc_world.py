@@ -41,8 +41,8 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from trace_jax.envs.interface import FunctionEnv, StepResult, tool_or_answer
-from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
-from trace_jax.envs.synthetic_tokenizer import rejoin_digits
+from trace_jax.envs.tasks.problem_world import ProblemWorld, stratified_rates
+from trace_jax.envs.worlds.synthetic_tokenizer import rejoin_digits
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
@@ -417,7 +417,7 @@ def build_fc_tokenizer():
   responses into later calls, and a tiny model copies one token far more reliably than a
   run of digits (a first version spelled numbers digit by digit; its warm start miscopied
   ids in most calls, "5 2 3" written as "5 2 1", whatever the procedure)."""
-  from trace_jax.envs.synthetic_tokenizer import word_tokenizer
+  from trace_jax.envs.worlds.synthetic_tokenizer import word_tokenizer
 
   return word_tokenizer(fc_texts() + [" ".join(map(str, range(MAX_NUMBER_TOKEN)))], TAGS)
 

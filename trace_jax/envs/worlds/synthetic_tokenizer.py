@@ -8,8 +8,8 @@ from typing import Iterable, Sequence
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from trace_jax.envs import prompts, react
-from trace_jax.envs.synthetic_schema import RELATIONS
-from trace_jax.envs.synthetic_world import World
+from trace_jax.envs.worlds.synthetic_schema import RELATIONS
+from trace_jax.envs.worlds.synthetic_world import World
 from trace_jax.envs.types import Doc
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"

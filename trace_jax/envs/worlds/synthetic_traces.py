@@ -27,8 +27,8 @@ import numpy as np
 from trace_jax.envs import prompts
 from trace_jax.envs.react import format_observation
 from trace_jax.envs.scoring import exact_match
-from trace_jax.envs.synthetic_schema import CITY_COUNTRY_ALTERNATIVES, RELATIONS
-from trace_jax.envs.synthetic_world import SyntheticQuestion, World
+from trace_jax.envs.worlds.synthetic_schema import CITY_COUNTRY_ALTERNATIVES, RELATIONS
+from trace_jax.envs.worlds.synthetic_world import SyntheticQuestion, World
 from trace_jax.envs.types import Doc
 
 _NAME = r"([A-Z][A-Za-z]*)"

@@ -32,10 +32,10 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 
-from trace_jax.envs.calculator import CalculatorError, calculate, format_value
+from trace_jax.envs.tasks.calculator import CalculatorError, calculate, format_value
 from trace_jax.envs.interface import FunctionEnv, StepResult, tool_or_answer
-from trace_jax.envs.problem_world import ProblemWorld, stratified_rates
-from trace_jax.envs.synthetic_tokenizer import rejoin_digits
+from trace_jax.envs.tasks.problem_world import ProblemWorld, stratified_rates
+from trace_jax.envs.worlds.synthetic_tokenizer import rejoin_digits
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALC_OPEN, CALC_CLOSE = "<calculate>", "</calculate>"
@@ -443,7 +443,7 @@ def math_texts(world: MathWorld) -> list[str]:
 
 def build_math_tokenizer(world: MathWorld):
   """Word-level tokenizer of the math task: its words, single digits, operators and the tags."""
-  from trace_jax.envs.synthetic_tokenizer import word_tokenizer
+  from trace_jax.envs.worlds.synthetic_tokenizer import word_tokenizer
 
   return word_tokenizer(math_texts(world) + ["( ) * / + - % ."], TAGS, digits=True)
 
