@@ -13,7 +13,7 @@ import math
 import os
 
 from trace_jax.allocation.allocators import ROOT_OBJECTIVES
-from trace_jax.config import TrainConfig, check_knobs
+from trace_jax.config import TrainConfig, check_knobs, knob_error
 from trace_jax.rl.advantages import VALUE_ESTIMATORS
 from trace_jax.rl.batch import PACKINGS
 
@@ -71,9 +71,9 @@ def validate(c: TrainConfig) -> None:
           f"variant {c.variant} needs local paths: set " +
           ", ".join(f"--config.{k}=..." for k in missing))
   check_knobs(c)
-  _choice(c, "rollout.root_objective", ROOT_OBJECTIVES)
-  _choice(c, "rl.tree_values", VALUE_ESTIMATORS)
-  _choice(c, "rl.packing", PACKINGS)
+  _check(c, "rollout.root_objective", choices=ROOT_OBJECTIVES)
+  _check(c, "rl.tree_values", choices=VALUE_ESTIMATORS)
+  _check(c, "rl.packing", choices=PACKINGS)
 
   # ---- retriever
   rt = c.retriever
@@ -89,7 +89,7 @@ def validate(c: TrainConfig) -> None:
   # ---- environment
   e = c.env
   if e.max_obs_bytes != 0:
-    _at_least(c, "env.max_obs_bytes", 64, "(or 0 for no cap)")
+    _check(c, "env.max_obs_bytes", ge=64, note="(or 0 for no cap)")
   if e.max_seq_len <= e.max_turn_tokens:
     raise ValueError(f"env.max_seq_len={e.max_seq_len} must exceed env.max_turn_tokens="
                      f"{e.max_turn_tokens}")
@@ -162,15 +162,12 @@ def _get(c, dotted):
   return c
 
 
-def _at_least(c, dotted, low, note=""):
-  v = _get(c, dotted)
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
-    raise ValueError(f"{dotted}={v!r} must be >= {low}" + (f" {note}" if note else ""))
-
-
-def _choice(c, dotted, choices):
-  if _get(c, dotted) not in choices:
-    raise ValueError(f"{dotted}={_get(c, dotted)!r}; choose one of {choices}")
+def _check(c, dotted, **allowed):
+  """Raises the message of `trace_jax.config.knob_error` when field `dotted` is outside `allowed`
+  (choices= or bounds): for checks that depend on other fields or on choices other modules own."""
+  err = knob_error(dotted, _get(c, dotted), allowed)
+  if err:
+    raise ValueError(err)
 
 
 def _check_data_file(c, dotted):

@@ -4,7 +4,7 @@ import os
 import sys
 
 from configs import mhqa, runs
-from trace_jax import assets, warm_start
+from trace_jax import assets, tasks, warm_start
 from trace_jax.assets import sft_seed
 from trace_jax.config import TrainConfig
 from trace_jax.fileio import build_lock
@@ -115,8 +115,8 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
   from trace_jax.envs.tasks import fc_world
 
   c = _cfg(task="fc", world__cache_dir=str(tmp_path))
-  base = warm_start.warm_start_sample_sha1(c, assets.load_assets(c))
-  assert base == warm_start.warm_start_sample_sha1(c, assets.load_assets(c))  # deterministic
+  base = warm_start.warm_start_sample_sha1(c, tasks.get(c.task).load(c))
+  assert base == warm_start.warm_start_sample_sha1(c, tasks.get(c.task).load(c))  # deterministic
   assert warm_start_key(c, base) != warm_start_key(c, "0" * 12)
   real = fc_world._plan
 
@@ -124,7 +124,7 @@ def test_the_key_follows_the_data_content(monkeypatch, tmp_path):
     return [("look " + t, call) for t, call in real(template, state, params, mistake)]
 
   monkeypatch.setattr(fc_world, "_plan", other_thoughts)
-  assert warm_start.warm_start_sample_sha1(c, assets.load_assets(c)) != base
+  assert warm_start.warm_start_sample_sha1(c, tasks.get(c.task).load(c)) != base
 
 
 def test_build_lock_excludes_another_process_until_released(tmp_path):

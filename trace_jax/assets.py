@@ -386,16 +386,6 @@ def load_world_assets(c) -> Assets:
                 world=world, reward_is_em=False)
 
 
-def load_assets(c) -> Assets:
-  """The run's data, tokenizer and environment parts: real multi-hop QA, an embedded tool task
-  (math, function calling), or a synthetic multi-hop world."""
-  if uses_real_data(c):
-    return load_real_assets(c)
-  if c.task != "mhqa":
-    return tool_task_assets(c)
-  return load_world_assets(c)
-
-
 def tool_task_assets(c) -> Assets:
   """An embedded tool task (`envs.tasks.tool_tasks`: `task=math` or `fc`): its problems, generated
   from the world section's seed and expert rates and cached under `world.cache_dir`, its tokenizer,

@@ -12,7 +12,7 @@ import json
 
 from configs import fc, mhqa, tool_math
 
-from trace_jax.assets import load_assets
+from trace_jax import tasks
 from trace_jax.warm_start import data_fingerprints  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def main() -> None:
   c = {"math": tool_math, "fc": fc}.get(a.task, mhqa).get_config(a.variant)
   c.world.cache_dir = a.cache
   c = mhqa.validate(c)
-  print(json.dumps(data_fingerprints(c, load_assets(c), a.traces), sort_keys=True))
+  print(json.dumps(data_fingerprints(c, tasks.get(c.task).load(c), a.traces), sort_keys=True))
 
 
 if __name__ == "__main__":
