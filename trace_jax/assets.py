@@ -17,7 +17,9 @@ from flax import nnx
 
 from trace_jax.envs import prompts
 from trace_jax.fileio import CorruptFileError, build_lock
-from trace_jax.models.qwen3 import Qwen3, from_pretrained, get_preset
+from trace_jax.models.decoder import Decoder
+from trace_jax.models.registry import build_model as build_family_model
+from trace_jax.models.registry import from_pretrained, get_preset
 from trace_jax.parallel.distributed import allgather_object
 
 log = logging.getLogger(__name__)
@@ -451,7 +453,9 @@ def load_examples(c, field: str) -> list:
   return examples
 
 
-def build_model(c, vocab_size: int, mesh=None) -> Qwen3:
+def build_model(c, vocab_size: int, mesh=None) -> Decoder:
+  """The policy: the checkpoint at `model.path` (any family `trace_jax.models` reads), else a
+  random init of `model.preset` (of its family)."""
   if c.model.path:
     return from_pretrained(c.model.path, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
                            mesh=mesh)
@@ -460,7 +464,7 @@ def build_model(c, vocab_size: int, mesh=None) -> Qwen3:
     overrides.update(hidden_size=c.model.hidden_size, num_layers=c.model.num_layers,
                      intermediate_size=c.model.intermediate_size)
   cfg = get_preset(c.model.preset, **overrides)
-  return Qwen3(cfg, rngs=nnx.Rngs(sft_seed(c)))  # the init only matters to the warm start
+  return build_family_model(cfg, nnx.Rngs(sft_seed(c)))  # the init only matters to the warm start
 
 
 def sft_seed(c) -> int:

@@ -40,8 +40,8 @@ import math
 import numpy as np
 from flax import nnx
 
-from trace_jax.models.qwen3 import Qwen3, Qwen3Config
-from trace_jax.models.qwen3.config import resolve_dtype
+from trace_jax.models.decoder import Decoder
+from trace_jax.models.decoder_config import DecoderConfig, resolve_dtype
 from trace_jax.parallel.sharding import (DEFAULT_RULES, logical_to_spec, parse_mesh_spec,
                                          variable_value)
 
@@ -83,7 +83,7 @@ class ParamLayout:
   replicated_fallbacks: int  # parameters a mesh axis could not split (left replicated)
 
 
-def param_layout(cfg: Qwen3Config, sizes: dict, rules=DEFAULT_RULES) -> ParamLayout:
+def param_layout(cfg: DecoderConfig, sizes: dict, rules=DEFAULT_RULES) -> ParamLayout:
   return _param_layout(cfg, tuple(sorted(sizes.items())), tuple(rules))
 
 
@@ -94,7 +94,7 @@ def _param_layout(cfg, sizes, rules) -> ParamLayout:
 
 @functools.lru_cache(maxsize=8)
 def _abstract_model(cfg):
-  return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # every family's parameters
 
 
 def _layout(abstract, sizes: dict, rules) -> ParamLayout:
@@ -135,7 +135,7 @@ def master_dtype_of(param_dtype, master_dtype="float32"):
   return m if p.itemsize < m.itemsize else p
 
 
-def _kv_split(cfg: Qwen3Config, sizes: dict) -> int:
+def _kv_split(cfg: DecoderConfig, sizes: dict) -> int:
   t = sizes["tensor"]
   return t if t > 1 and cfg.num_kv_heads % t == 0 else 1
 
@@ -145,7 +145,7 @@ def _heads_split(n: int, t: int) -> int:
 
 
 # ---- activations of one micro-batch ------------------------------------------------------------
-def layer_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, act_bytes: int,
+def layer_bytes(cfg: DecoderConfig, sizes: dict, rows: int, seq_len: int, act_bytes: int,
                 what: str) -> float:
   """Bytes per device of one decoder layer for `rows` rows of `seq_len` tokens (per device).
 
@@ -179,7 +179,7 @@ def layer_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, act_byte
   raise ValueError(f"layer_bytes(what={what!r})")
 
 
-def activation_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, remat: str,
+def activation_bytes(cfg: DecoderConfig, sizes: dict, rows: int, seq_len: int, remat: str,
                      act_bytes: int) -> float:
   """Peak activation bytes per device of one micro-batch's forward + backward, for the update's
   `remat` ("none" | "dots" | "full"): every layer's kept set plus one layer's working set."""
@@ -190,7 +190,7 @@ def activation_bytes(cfg: Qwen3Config, sizes: dict, rows: int, seq_len: int, rem
   return cfg.num_layers * lb(keep) + lb("working")
 
 
-def logits_bytes(cfg: Qwen3Config, sizes: dict, tokens: int) -> float:
+def logits_bytes(cfg: DecoderConfig, sizes: dict, tokens: int) -> float:
   """f32 logits buffers of one micro-batch per device (see LOGIT_BUFFERS)."""
   v = cfg.vocab_size / _heads_split(cfg.vocab_size, sizes["tensor"])
   return (LOGIT_BUFFERS + sizes["fsdp"]) * tokens * v * F32
@@ -215,7 +215,7 @@ class StepPlan:
     return sum(self.terms.values())
 
 
-def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, micro_batches: int,
+def plan_update_step(cfg: DecoderConfig, mesh_spec, *, rows: int, seq_len: int, micro_batches: int,
                      remat: str = "none", preds_per_row: int = 18, master_dtype="float32",
                      predictor_hidden: int = 256, act_dtype=None, packing: str = "none",
                      rules=DEFAULT_RULES) -> StepPlan:
@@ -257,7 +257,7 @@ def plan_update_step(cfg: Qwen3Config, mesh_spec, *, rows: int, seq_len: int, mi
 KV_POOL_LAYOUTS = ("main", "sharded", "replicated")
 
 
-def kv_pool_split(cfg: Qwen3Config, sizes: dict, kv_pool: str = "main") -> int:
+def kv_pool_split(cfg: DecoderConfig, sizes: dict, kv_pool: str = "main") -> int:
   """Into how many pieces the pool is split per device (see the module docstring)."""
   if kv_pool not in KV_POOL_LAYOUTS:
     raise ValueError(f"kv_pool={kv_pool!r}; expected one of {KV_POOL_LAYOUTS}")
@@ -267,7 +267,7 @@ def kv_pool_split(cfg: Qwen3Config, sizes: dict, kv_pool: str = "main") -> int:
   return pages * _kv_split(cfg, sizes)
 
 
-def kv_pool_bytes(cfg: Qwen3Config, sizes: dict, *, num_pages: int, page_size: int,
+def kv_pool_bytes(cfg: DecoderConfig, sizes: dict, *, num_pages: int, page_size: int,
                   kv_pool: str = "main", kv_dtype=None) -> float:
   """Per-device bytes of the paged KV pool in the layout `kv_pool`."""
   full = (num_pages * page_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim *
@@ -275,7 +275,7 @@ def kv_pool_bytes(cfg: Qwen3Config, sizes: dict, *, num_pages: int, page_size: i
   return full / kv_pool_split(cfg, sizes, kv_pool)
 
 
-def plan_decode_step(cfg: Qwen3Config, mesh_spec, *, num_slots: int, num_pages: int,
+def plan_decode_step(cfg: DecoderConfig, mesh_spec, *, num_slots: int, num_pages: int,
                      page_size: int, max_seq_len: int, kv_pool: str = "main",
                      group_size: int | None = None, num_groups: int | None = None,
                      kv_dtype=None, rules=DEFAULT_RULES) -> StepPlan:
@@ -359,7 +359,7 @@ class MemoryPlan:
     return self.resident.get("KV pool", 0.0)
 
 
-def plan_memory(cfg: Qwen3Config, mesh_spec, *, num_pages: int, page_size: int, seq_len: int,
+def plan_memory(cfg: DecoderConfig, mesh_spec, *, num_pages: int, page_size: int, seq_len: int,
                 rows: int | None = None, micro_batches: int = 1,
                 micro_batch_seqs: int | None = None, num_slots: int = 256, remat: str = "none",
                 kl_coef: float = 0.0, kv_pool: str = "main", master_dtype="float32",
