@@ -305,7 +305,7 @@ def main(argv):
                            mesh=mesh if mesh.size > 1 else None,
                            stop_strings=env.stop_strings,
                          observation_close=env.observation_close)
-    engine.check_tree_fits(1, "a greedy rollout")
+    engine.check_rollout_fits("a greedy rollout")
   except ValueError as e:
     _fail(f"sampler on mesh {dict(mesh.shape)}: {e}")
   res = evaluate(engine, examples, batch=_BATCH.value)

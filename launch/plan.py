@@ -145,23 +145,21 @@ def _configured_mesh(c, n_dev: int) -> str:
 
 
 def _rows_and_trees(c, mesh: str, s: dict) -> str:
-  """The update's padded rows and whether one KV pool shard holds the largest tree (what
-  `SamplerEngine.check_tree_fits` checks when the run is built) on `mesh`."""
-  from trace_jax.train import largest_tree
+  """The update's padded rows and whether one KV pool shard holds one rollout alone (what
+  `SamplerEngine.check_rollout_fits` checks when the run is built) on `mesh`."""
   sizes = parse_mesh_spec(mesh)
   dp = sizes["data"] * sizes["fsdp"]
   rows = _rows(s["train_rows"], s["micro_batches"], dp, s.get("minibatches", 1))
-  from trace_jax.sampling.paged_kv import tree_pages
   shards = dp if s["kv_pool"] == "sharded" else 1
-  need, per_shard = tree_pages(largest_tree(c), s["seq_len"], s["page_size"], s["num_pages"],
-                               shards)
+  need = -(-s["seq_len"] // s["page_size"]) + 1
+  per_shard = s["num_pages"] // shards - 1
   mbs = s.get("minibatches", 1)
   pad = (f"{rows * mbs} update rows ({rows * mbs - s['train_rows']} of them padding)"
          + (f", {rows} per minibatch" if mbs > 1 else ""))
   if per_shard >= need:
-    return f"{pad}; a pool shard holds {per_shard} pages, one tree needs at most {need}"
-  return (f"{pad}; a pool shard holds {per_shard} pages but one tree may need {need}: the run "
-          f"stops at build; raise num_pages to {(need + 1) * shards}")
+    return f"{pad}; a pool shard holds {per_shard} pages, one rollout needs at most {need}"
+  return (f"{pad}; a pool shard holds {per_shard} pages but one rollout may need {need}: the "
+          f"run stops at build; raise num_pages to {(need + 1) * shards}")
 
 
 def report(c) -> str:
@@ -237,17 +235,18 @@ def pages_report() -> str:
   from configs import mhqa
   from trace_jax.config import TrainConfig
   from trace_jax.kv_demand import format_demand, page_demand
-  from trace_jax.rl.ppo_loop import largest_tree
 
   rows = []
   for variant, (devices, mesh) in VARIANT_DEVICES.items():
     c = TrainConfig.from_dict(mhqa.get_config(variant).to_dict())  # typed, paths not needed
     c = c.replace(mesh=mesh) if mesh else c
-    rows.append((f"{variant} (`{c.mesh}`)", devices, page_demand(c, devices, largest_tree(c))))
+    rows.append((f"{variant} (`{c.mesh}`)", devices, page_demand(c, devices)))
   return ("Worst-case KV pages per RL step (`python launch/plan.py --pages`): every rollout of a "
           "step (root and prefix budgets, the measured slice) at env.max_seq_len, no prefix "
           "shared, trees spread whole over the data x fsdp shards; finished trees keep their "
-          "pages until the step ends.\n\n" + format_demand(rows) + "\n")
+          "pages cached until the step ends. A pool below the worst case evicts that cache, "
+          "and below the working set (every decode slot of a shard at max_seq_len) preempts "
+          "branches, recomputing their K/V when they resume; nothing is cut.\n\n" + format_demand(rows) + "\n")
 
 
 def main(argv):

@@ -103,21 +103,24 @@ def test_plan_matches_compiled_memory_analysis_on_mesh_2x2x2():
 
 def test_kv_page_demand_of_a_step_against_the_pool():
   """The worst case of a step: every rollout at max_seq_len, trees spread whole over data x fsdp,
-  against a pool shard; a largest tree past a shard is refused (as `check_tree_fits` does)."""
+  against a pool shard; below it the pool evicts, below the slots' working set it preempts, and
+  a shard that cannot hold one rollout is refused (as `check_rollout_fits` does)."""
   from configs import mhqa
   from trace_jax.config import TrainConfig
   from trace_jax.kv_demand import page_demand, step_rollouts
-  from trace_jax.rl.ppo_loop import largest_tree
 
   c = TrainConfig.from_dict(mhqa.get_config("qwen3_8b").to_dict())
   assert step_rollouts(c) == 512 + 256 + 8 * 2
-  d = page_demand(c, 32, largest_tree(c))  # data:-1,fsdp:4,tensor:4 on 32 chips: 8 shards
+  d = page_demand(c, 32)  # data:-1,fsdp:4,tensor:4 on 32 chips: 8 shards
   assert (d.shards, d.rollouts, d.pages_per_rollout) == (8, 98, 64)
-  assert d.need == 98 * 64 and d.have == 51200 // 8 - 1 and d.largest_tree == 16 * 64
+  assert d.need == 98 * 64 and d.have == 51200 // 8 - 1 and d.working_set == 256 // 8 * 64
   assert d.ratio <= 1 and "fits" in d.verdict()
-  old = page_demand(c.replace(rollout=dataclasses.replace(c.rollout, num_pages=8192)), 32,
-                    largest_tree(c))
-  assert old.have == 1023 < old.largest_tree and "refused" in old.verdict()  # 8192 pages before
-  small = page_demand(c.replace(rollout=dataclasses.replace(c.rollout, num_pages=16384)), 32,
-                      largest_tree(c))
-  assert small.ratio > 1 and "cuts when" in small.verdict()
+
+  def with_pages(n):
+    return page_demand(c.replace(rollout=dataclasses.replace(c.rollout, num_pages=n)), 32)
+
+  evicts = with_pages(8 * 3000)  # 2999 pages a shard: above the working set of 2048
+  assert evicts.ratio > 1 and "never preempts" in evicts.verdict()
+  preempts = with_pages(8 * 1024)
+  assert "preempts often" in preempts.verdict() and "2.0x" in preempts.verdict()
+  assert "refused" in with_pages(8 * 64).verdict()  # 63 pages: not one rollout and its copy

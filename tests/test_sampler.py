@@ -9,7 +9,6 @@ from flax import nnx
 
 from trace_jax.models.qwen3 import Qwen3, get_preset
 from trace_jax.sampling.engine_ops import sample_tokens
-from trace_jax.sampling.paged_kv import PoolExhaustedError
 from trace_jax.sampling.engine import ForkRequest, PromptRequest, SamplerConfig, SamplerEngine
 from trace_jax.sampling.testing import IdTokenizer, ScriptedEnv, check_against_forward
 
@@ -104,31 +103,6 @@ def test_no_compilation_after_warmup(model):
     jax.monitoring.unregister_event_duration_listener(listener)
   assert engine.compile_counts() == before
   assert not [c for c in compiles if "backend_compile" in c], compiles
-
-
-def test_pool_exhaustion_truncates_without_corrupting_others(model):
-  # All four branches start at once (their start pages fit), then the pool runs dry mid-turn.
-  requests = [PromptRequest(p, n=2) for p in PROMPTS[:2]]
-  big = make_engine(model).run(requests)
-  engine = make_engine(model, num_pages=40)
-  small = engine.run(requests)
-  cut = [n for t in small for n in t.nodes if n.truncated == "pool_exhausted"]
-  assert cut, "the pool was meant to run out"
-  assert all(n.done and n.reward == 0.0 for n in cut)
-  check_against_forward(small, *model, greedy=True)  # nothing read a page it did not own
-  for ts, tb in zip(small, big):
-    full = {tuple(tb.path_tokens(x.id)[0]) for x in tb.leaves()}
-    for leaf in ts.leaves():
-      ids = tuple(ts.path_tokens(leaf.id)[0])
-      if not leaf.truncated:
-        assert ids in full
-      else:  # a cut branch is a prefix of the uncut one
-        assert any(f[:len(ids)] == ids for f in full)
-  engine.release()
-  with pytest.raises(PoolExhaustedError, match="KV pool exhausted"):  # a prompt that cannot start
-    engine.run([PromptRequest(list(range(8, 60)), n=1)] * 4 + [PromptRequest([8] * 90, n=1)])
-  engine.release()
-  assert engine.alloc.num_free == engine.alloc.capacity
 
 
 def test_limits_are_recorded(model):
@@ -281,12 +255,14 @@ def test_multi_step_decode_equals_one_step_per_call(model):
   assert host_only.alloc.num_free == host_only.alloc.capacity
 
 
-def test_check_tree_fits_names_the_pages_needed(model):
-  eng = make_engine(model, num_pages=64)  # 63 usable pages; max_seq_len 96 / page_size 4 = 24
-  eng.check_tree_fits(2)  # 48 pages
-  with pytest.raises(ValueError, match=r"3 rollouts x 24 pages .* needs 72 pages .* holds 63 "
-                                       r"\(num_pages 64\); raise num_pages to at least 73"):
-    eng.check_tree_fits(3)
+def test_check_rollout_fits_names_the_pages_needed(model):
+  eng = make_engine(model, num_pages=26)  # 25 usable pages; max_seq_len 96 / page_size 4 = 24
+  eng.check_rollout_fits()  # 24 pages and one for an anchor's partial-page copy
+  small = make_engine(model, num_pages=25)
+  with pytest.raises(ValueError, match=r"up to 24 pages .* needs 25 pages on one shard, but the "
+                                       r"pool holds 24 \(num_pages 25\); raise num_pages to at "
+                                       r"least 26"):
+    small.check_rollout_fits()
 
 
 def test_on_trees_done_streams_a_second_stage_into_the_same_run(model):

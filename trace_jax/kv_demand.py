@@ -1,12 +1,13 @@
 """How many KV pages an RL step may hold against its pool: the worst case of a config.
 
-Finished trees keep their pages until the step ends (stage 2 forks from them), so the pages a data
-shard holds at a step's end are every rollout of its trees: stage 1's roots, stage 2's
+Finished trees keep their pages cached until the step ends (stage 2 forks from them), so the pages
+a data shard would hold at a step's end are every rollout of its trees: stage 1's roots, stage 2's
 continuations and the measured slice (rollouts one step ahead add the next step's stage 1). In the
 worst case every rollout runs to `env.max_seq_len` and no prefix is shared. A pool below that
-worst case cuts (today) the late rollouts of long steps when they do run long: stage-2
-continuations and long trajectories, the ones allocation spends on; the training loop leaves
-such system-cut leaves out of training and counts them (`system_cut_leaves`).
+worst case never cuts a rollout: it evicts cached K/V (a later fork recomputes its prefix), and
+when the rollouts decoding at once outgrow it (the working set: every slot of a shard at
+`max_seq_len`), it preempts branches and recomputes their K/V when they resume
+(`sampling.engine_preempt`). Only a shard that cannot hold one rollout alone is refused.
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ class PageDemand:
   shards: int            # data x fsdp: trees are spread over them whole
   rollouts: int          # rollouts of a step on the busiest shard
   pages_per_rollout: int  # ceil(max_seq_len / page_size)
-  need: int              # worst-case pages on the busiest shard
+  need: int              # worst-case pages on the busiest shard, every tree cached to the end
   have: int              # pages of one pool shard (less its null page)
-  largest_tree: int      # pages of the largest tree alone (must fit: `check_tree_fits`)
+  working_set: int       # every decode slot of a shard at max_seq_len at once
 
   @property
   def ratio(self) -> float:
     return self.need / max(self.have, 1)
 
   def verdict(self) -> str:
-    if self.largest_tree > self.have:
-      return "refused: the largest tree alone does not fit a shard"
+    if self.pages_per_rollout + 1 > self.have:
+      return "refused: one rollout alone does not fit a shard"
     if self.ratio <= 1:
-      return "fits the worst case: no rollout is ever cut"
-    return (f"cuts when more than {1 / self.ratio:.0%} of the worst case is live (every rollout "
-            f"at max_seq_len needs {self.ratio:.1f}x the pool)")
+      return "fits the worst case: nothing is ever evicted or preempted"
+    if self.working_set <= self.have:
+      return (f"evicts cached K/V when more than {1 / self.ratio:.0%} of the worst case is live "
+              f"(forks then recompute prefixes); never preempts")
+    return (f"preempts often when rollouts run long: the slots' working set is "
+            f"{self.working_set / self.have:.1f}x the pool")
 
 
 def step_rollouts(c: TrainConfig) -> int:
@@ -52,9 +56,8 @@ def step_rollouts(c: TrainConfig) -> int:
   return n + (r.root_budget if r.off_policy_steps else 0)
 
 
-def page_demand(c: TrainConfig, devices: int, largest_tree_rollouts: int) -> PageDemand:
-  """The worst case of config `c` on `devices` devices of its mesh (`c.mesh`, -1 axes filled),
-  with `largest_tree_rollouts` the most rollouts one tree starts (`rl.ppo_loop.largest_tree`)."""
+def page_demand(c: TrainConfig, devices: int) -> PageDemand:
+  """The worst case of config `c` on `devices` devices of its mesh (`c.mesh`, -1 axes filled)."""
   sizes = parse_mesh_spec(c.mesh)
   fixed = math.prod(v for v in sizes.values() if v > 0)
   sizes = {k: (devices // fixed if v < 0 else v) for k, v in sizes.items()}
@@ -62,11 +65,9 @@ def page_demand(c: TrainConfig, devices: int, largest_tree_rollouts: int) -> Pag
   rollouts = -(-step_rollouts(c) // shards)
   need, have = tree_pages(rollouts, c.env.max_seq_len, c.rollout.page_size, c.rollout.num_pages,
                           shards)
-  largest, _ = tree_pages(largest_tree_rollouts, c.env.max_seq_len, c.rollout.page_size,
-                          c.rollout.num_pages, shards)
-  return PageDemand(shards=shards, rollouts=rollouts,
-                    pages_per_rollout=-(-c.env.max_seq_len // c.rollout.page_size), need=need,
-                    have=have, largest_tree=largest)
+  per_rollout = -(-c.env.max_seq_len // c.rollout.page_size)
+  return PageDemand(shards=shards, rollouts=rollouts, pages_per_rollout=per_rollout, need=need,
+                    have=have, working_set=-(-c.rollout.num_slots // shards) * per_rollout)
 
 
 def format_demand(rows: list[tuple[str, int, PageDemand]]) -> str:

@@ -151,7 +151,7 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None, task=None) ->
                          mesh=sample_mesh if sample_mesh.size > 1 else None,
                          stop_strings=env.stop_strings,
                          observation_close=env.observation_close)
-  engine.check_tree_fits(largest_tree(c), "the largest tree a step or the probe samples")
+  engine.check_rollout_fits("a rollout of env.max_seq_len tokens")
   if multi:
     engine = ProcessShardedEngine(engine, mesh)
   predict = make_predictor(pred_graphdef)

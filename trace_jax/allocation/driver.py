@@ -176,6 +176,9 @@ class RolloutDriver:
     tail leaves idle; the next call (whose `examples` must be these) adopts them and finishes them
     under the weights the engine has then. `drop_ahead()` abandons them."""
     ledger_before = dict(self.engine.ledger.as_dict())
+    alloc = getattr(self.engine, "alloc", None)
+    if alloc is not None:  # the peak of pages in use during this step
+      alloc.peak = alloc.in_use
     adopt = self._ahead is not None
     if adopt:
       keys, plan = self._ahead
@@ -253,7 +256,13 @@ class RolloutDriver:
       slice_info.update({f"slice_{k}": v for k, v in cost.items()},
                         slice_counted=float(self.cfg.count_slice))
       self.engine.release(slice_trees)
-    info.update(keep_info, **slice_info, **{f"ledger_{k}": v for k, v in ledger.items()})
+    # A full pool's room-making (`sampling.engine_preempt`): the sampler's, not the method's.
+    sampler = {"preemptions": ledger.pop("preemptions", 0),
+               "recomputed_tokens": ledger.pop("recomputed_tokens", 0)}
+    if alloc is not None:
+      sampler["peak_pages"] = alloc.peak
+    info.update(keep_info, **slice_info, **{f"ledger_{k}": v for k, v in ledger.items()},
+                **{f"sampler_{k}": v for k, v in sampler.items()})
     if adopt or ahead:
       stale = sum(t.meta.get("stale_tokens", 0) for t in trees)
       made = sum(len(n.gen_ids) for t in trees for n in t.nodes)

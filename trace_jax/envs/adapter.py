@@ -115,6 +115,15 @@ class TreeEnvAdapter:
       out.append((res.observation_text, bool(res.done), float(res.reward)))
     return out
 
+  def renumber(self, tree, moved: dict[int, int]) -> None:
+    """The sampler moved `tree`'s node ids (old -> new, `Tree.canonicalize`): the states and
+    infos follow their nodes."""
+    for d in (self.states, self.infos):
+      keys = [k for k in d if k[0] == tree.uid and k[1] in moved]
+      vals = [d.pop(k) for k in keys]
+      for k, v in zip(keys, vals):
+        d[(tree.uid, moved[k[1]])] = v
+
   def release(self, trees: Sequence) -> None:
     """Forgets the states of `trees` (call with `SamplerEngine.release`)."""
     uids = {t.uid for t in trees}

@@ -119,7 +119,7 @@ def largest_tree(c: TrainConfig) -> int:
   """The most rollouts one tree of a run starts from its root: a GRPO-style group (the whole
   per-step budget spread over the prompts), stage 1's per-prompt cap (bounded by what the budget
   leaves after every other prompt's minimum), the warm-start probe's 8 samples, or a metric-slice
-  tree. Stage-2 continuations are not counted (see `SamplerEngine.check_tree_fits`)."""
+  tree. Stage-2 continuations are not counted."""
   r = c.rollout
   n = max(int(r.prompts_per_step), 1)
   group = -(-(r.root_budget + r.prefix_budget) // n)

@@ -121,6 +121,11 @@ class Ledger:
   # work left for them, or waiting at a turn barrier); the rest are slots whose turn ended
   # inside a multi-step call (`decode_steps`) and idled until the call's end.
   empty_slot_steps: int = 0
+  # Room-making for a full pool (`sampling.engine_preempt`): branches taken out of their slots to
+  # resume later, and the tokens whose K/V was prefilled again (resumed branches, forks from
+  # evicted nodes). Not in prefill_tokens: that is the prefill an ample pool would have done.
+  preemptions: int = 0
+  recomputed_tokens: int = 0
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

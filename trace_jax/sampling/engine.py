@@ -9,9 +9,11 @@ ids of a stop string or at its turn or length limit, so the host acts once per t
 callback runs, batched over the slots whose turns ended, and its observation is prefilled into the
 slot's pages before the next turn. Branches forked from one anchor share the anchor's full KV
 pages (the tree attention kernel reads them once for all siblings); each copies only the anchor's
-last partial page. Every page a tree's nodes use stays alive until `release(trees)`, so the trainer
+last partial page. The pages a tree's nodes use stay cached until `release(trees)`, so the trainer
 can fork new branches from any anchor of a finished stage-1 tree. The engine keeps that
-bookkeeping itself, by tree uid (`tree_state`); a `Tree` is plain data.
+bookkeeping itself, by tree uid (`tree_state`); a `Tree` is plain data. A full pool never cuts a
+rollout the pool could hold alone: cached K/V is evicted and branches are preempted, to resume
+later by recomputing their K/V (`engine_preempt`).
 
 On a mesh (`mesh=`), the pool's pages split into one contiguous range per data shard, each with
 its own allocator range, block of slots and trees; KV heads split over `tensor`; everything that
@@ -25,8 +27,9 @@ feature of the prefix ending at that token.
 The engine is split by responsibility: this module holds `SamplerEngine` (construction, weights,
 compile counts) and the sampling weight layout; `engine_admission` request admission, scheduling
 and `run`; `engine_loop` the decode/prefill loop and turn ends; `engine_pages` the page
-bookkeeping (`TreeState`, branches, release, rollback); `engine_features` prompt scoring and node
-features; `engine_ops` the jitted device steps.
+bookkeeping (`TreeState`, branches, release, rollback); `engine_preempt` eviction and
+preemption on a full pool; `engine_features` prompt scoring and node features; `engine_ops` the
+jitted device steps.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from trace_jax.sampling.engine_admission import AdmissionMixin
 from trace_jax.sampling.engine_features import PromptFeaturesMixin
 from trace_jax.sampling.engine_loop import DecodeLoopMixin
 from trace_jax.sampling.engine_pages import PageBookkeepingMixin, TreeState, _Branch
+from trace_jax.sampling.engine_preempt import PreemptionMixin
 from trace_jax.sampling.paged_kv import PageAllocator, PoolLayout, init_pool, make_copy_pages
 # Names importable from this module before its split into engine_* modules, kept for callers.
 from trace_jax.models.predictor import feature_width  # noqa: F401
@@ -64,7 +68,8 @@ def sampling_shardings(state, layout: PoolLayout):
   return state_shardings(state, layout.mesh, rules)
 
 
-class SamplerEngine(AdmissionMixin, DecodeLoopMixin, PromptFeaturesMixin, PageBookkeepingMixin):
+class SamplerEngine(AdmissionMixin, DecodeLoopMixin, PromptFeaturesMixin, PreemptionMixin,
+                    PageBookkeepingMixin):
   """See the module docstring. `run(requests) -> list[Tree]`; `release(trees)` frees their pages.
 
   Args:
@@ -184,6 +189,9 @@ class SamplerEngine(AdmissionMixin, DecodeLoopMixin, PromptFeaturesMixin, PageBo
     self._trees: dict[int, TreeState] = {}  # tree uid -> bookkeeping, admission to release
     self._next_uid = 0
     self._jobs: list = []
+    # Partial pages of anchors queued for copy into new forks' pages: (src, dst) per data shard.
+    self._copies = ([[] for _ in range(self.shards)], [[] for _ in range(self.shards)])
+    self._start_seq = 0  # branches started so far (preemption priority: `engine_preempt`)
     self._on_trees_done, self._idle = None, []  # `run`'s callback and the trees it has to hear of
     self._pending: dict[int, collections.deque] = {}
     self.slot_worker = np.zeros(cfg.num_slots, np.int32)

@@ -5,10 +5,11 @@ partial last one), and the rollouts started ahead for the caller's next step (`c
 `drop_carried`, `ahead_ledger`).
 
 Requests are checked before any is admitted (`_check_requests`), so a refused call changes
-nothing. A branch the pool cannot give its first pages (its prompt's, or the copy of its anchor's
-partial page) waits in its queue while a branch on its shard decodes (a retiring branch gives back
-the pages it took ahead), and else ends at once as a `pool_exhausted` leaf: pages come back only
-at `release`, so nothing else would free them in this run.
+nothing. A branch the pool cannot give its first pages (its prompt's, the copy of its anchor's
+partial page, or a prefill of K/V given back earlier) makes room by evicting cached K/V
+(`engine_preempt`); else it waits in its queue while a branch on its shard decodes, and only
+when nothing there could give pages back (pages held outside the engine's trees) ends at once as
+a `pool_exhausted` leaf.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ class AdmissionMixin:
     with sync_refill, at every turn barrier).
 
     Every request (and `ahead`) is checked before any is admitted: a bad one raises and the engine
-    is as it was (carried trees still carried). A call whose new prompts alone need more pages than
-    the pool holds (pages return only at `release`) is refused up front with PoolExhaustedError.
-    A pool that is merely full makes branches wait or end as `pool_exhausted` leaves (module
-    docstring), never an error. After an error inside the run, every branch's pages go to its tree
+    is as it was (carried trees still carried). A prompt a pool shard cannot hold alone is refused
+    up front with PoolExhaustedError. A pool that is merely full evicts cached K/V, makes
+    branches wait or preempts them (`engine_preempt`), never an error. After an error inside the run, every branch's pages go to its tree
     (`release` frees them) and nodes whose queued prefill never ran are no longer forkable.
     """
     s = self.cfg.num_slots
@@ -161,9 +161,9 @@ class AdmissionMixin:
   # ---- admission ---------------------------------------------------------------------------------
   def _check_requests(self, requests) -> list:
     """The requests as PromptRequest / ForkRequest, each checked as `_admit` would admit it
-    (prompt length, uid free, anchor forkable, counts >= 0) before any is, and the new prompts'
-    pages against the pool: a call whose prompts alone exceed it could never be sampled (pages
-    return only at `release`). Raises ValueError (PoolExhaustedError for the pages)."""
+    (prompt length, uid free, anchor forkable, counts >= 0) before any is, and each new prompt's
+    pages against a pool shard (a prompt a shard cannot hold alone could never be sampled).
+    Raises ValueError (PoolExhaustedError for the pages)."""
     cfg, out, uids, next_uid = self.cfg, [], set(), self._next_uid
     pages = []
     for req in requests:
@@ -195,7 +195,7 @@ class AdmissionMixin:
                            f"leaf (truncated={tree.nodes[node_id].truncated!r}); fork from an "
                            f"anchor")
         st = self._trees.get(tree.uid)
-        if st is None or (node_id not in st.kv and node_id != 0):
+        if st is None or (node_id not in st.kv and node_id != 0 and node_id not in st.evicted):
           raise ValueError(f"cannot fork from node {node_id} of tree {tree.uid}: it has no K/V "
                            f"(its pages were released: fork before calling engine.release; or "
                            f"a run stopped by an error before its observation was prefilled)")
@@ -209,12 +209,11 @@ class AdmissionMixin:
         raise TypeError(f"not a sampling request: {req!r}")
       out.append(req)
     per_shard = self.alloc.pages_per_shard - 1
-    if pages and (max(pages) > per_shard or sum(pages) > self.alloc.capacity):
+    if pages and max(pages) + 1 > per_shard:
       raise PoolExhaustedError(
-          f"KV pool exhausted: the {len(pages)} new prompts of this call need {sum(pages)} pages "
-          f"(the largest {max(pages)}) for their prompts alone, held until release, but the pool "
-          f"holds {self.alloc.capacity} ({per_shard} per data shard; num_pages "
-          f"{cfg.num_pages}); request fewer prompts per run or raise SamplerConfig.num_pages")
+          f"KV pool exhausted: a prompt of this call needs {max(pages)} pages and its first "
+          f"branch one more, but a data shard holds {per_shard} (num_pages {cfg.num_pages}); "
+          f"raise SamplerConfig.num_pages")
     return out
 
   def _admit(self, requests, num_workers, ahead: bool = False) -> list[Tree]:
@@ -265,10 +264,10 @@ class AdmissionMixin:
             any(b is not None and not b.state.ahead for b in self.slots))
 
   def _refill(self):
-    """Starts queued branches in the free slots. One whose first pages the pool cannot give now
-    stays at the head of its queue while a branch on its shard is in a slot, and else ends as a
-    `pool_exhausted` leaf (`_cut_start`; module docstring)."""
-    src, dst = [[] for _ in range(self.shards)], [[] for _ in range(self.shards)]
+    """Starts queued branches (and resumes preempted ones) in the free slots. One whose pages the
+    shard cannot give, even after evicting cached K/V (`engine_preempt`), stays at the head of
+    its queue while a branch on its shard is in a slot, and else is cut as a `pool_exhausted`
+    leaf: the shard cannot hold it alone (pages held outside the engine's trees)."""
     started = False
     while True:
       blocked = {}  # queue id -> (queue, shard) of queues whose head cannot get its pages
@@ -279,23 +278,29 @@ class AdmissionMixin:
           q = self._ahead_pending[key]  # an idle slot: the next step's rollouts may start here
         if b is not None or not q or id(q) in blocked:
           continue
-        st, node_id = q[0]
-        own = self._start_pages(st, node_id, key[1])
-        if own is None:
+        st, what = q[0]
+        if not self._start(i, st, what):
           blocked[id(q)] = (q, key[1])
           continue
         q.popleft()
-        self._start(i, st, node_id, own, src, dst)
         started = True
       busy = {int(self.slot_shard[i]) for i, b in enumerate(self.slots) if b is not None}
       stuck = [q for q, shard in blocked.values() if shard not in busy]
       if not stuck:  # the others wait for the pages a decoding branch gives back as it retires
         break
-      for q in stuck:  # nothing on its shard will free pages before release: end it now
-        self._cut_start(*q.popleft())
-    if not started:
-      return
-    self._flush_prefill()  # the prompts' K/V must exist before their partial pages are copied
+      for q in stuck:  # nothing on its shard will give pages back: end it now
+        st, what = q.popleft()
+        if isinstance(what, _Branch):
+          self._cut_waiting(st, what)
+        else:
+          self._cut_start(st, what)
+    if started:
+      self._flush_prefill()  # the anchors' K/V must exist before their partial pages are copied
+      self._flush_copies()
+
+  def _flush_copies(self) -> None:
+    """Copies the anchors' partial pages queued by `_start` into their forks' own pages."""
+    src, dst = self._copies
     for j in range(0, max(map(len, src)), _COPY_BATCH):  # fixed batch: one compilation
       s_ids, d_ids = [], []
       for shard in range(self.shards):  # block per shard, padded with the shard's null page
@@ -304,60 +309,87 @@ class AdmissionMixin:
         s_ids += s + pad
         d_ids += d + pad
       self.pool = self._copy(self.pool, np.asarray(s_ids, np.int32), np.asarray(d_ids, np.int32))
+    self._copies = ([[] for _ in range(self.shards)], [[] for _ in range(self.shards)])
 
-  def _start_pages(self, st: TreeState, node_id: int, shard: int) -> list[int] | None:
-    """The pages a branch from `node_id` needs of its own to start (the copy of the anchor's
-    partial last page; every page without prefix sharing), after queueing its prompt's prefill
-    if the root has no K/V yet; None when the pool cannot give them now."""
-    cfg = self.cfg
-    if node_id == 0 and 0 not in st.kv:  # the prompt's K/V must exist before it is forked
+  def _start_need(self, st: TreeState, what) -> int:
+    """Pages a branch (a new one from node `what`, or a preempted `_Branch`) takes to start."""
+    ps = self.cfg.page_size
+    if isinstance(what, _Branch):
+      anchor, ids = self._resume_tokens(what)
+      return self._prefill_need(st, anchor, len(ids) - 1)
+    if what in st.kv:  # a fork: the copy of the anchor's partial last page (all, unshared)
+      kv_len = st.kv[what][1]
+      return -(-kv_len // ps) - (kv_len // ps if self.cfg.share_prefix else 0)
+    if what == 0 and 0 not in st.evicted:  # the prompt's pages (the tree's), then a fork
+      n = len(st.tree.prompt_ids) - 1
+      return 2 * -(-n // ps) - (n // ps if self.cfg.share_prefix else 0)
+    return self._prefill_need(st, what, st.tree.prefix_len(what) - 1)  # evicted: prefill it
+
+  def _start(self, slot: int, st: TreeState, what) -> bool:
+    """Starts (or resumes) a branch in `slot` when its shard has, or can be given, its pages;
+    False otherwise. A new one from a cached anchor shares its full pages and copies its partial
+    last one; from a root never prefilled, prefills the prompt into the tree's pages first; from
+    an evicted node, prefills the node's prefix into its own pages."""
+    shard = int(self.slot_shard[slot])
+    for protect in (st, None, None):  # the tree's own cache goes last
+      if self._make_room(shard, self._start_need(st, what), protect=protect):
+        break
+    need = self._start_need(st, what)
+    if self.alloc.num_free_in(shard) < need:
+      return False
+    if isinstance(what, _Branch):
+      self._resume(slot, what, self.alloc.alloc(need, shard))
+      return True
+    node_id, cfg = what, self.cfg
+    if node_id not in st.kv and (node_id != 0 or 0 in st.evicted):
+      b = self._new_branch(slot, st, node_id)
+      ids = [int(t) for t in st.tree.path_tokens(node_id)[0]]
+      self._start_prefilled(slot, b, node_id, ids, self.alloc.alloc(need, shard), recompute=True)
+      return True
+    if node_id not in st.kv:  # the prompt's K/V must exist before it is forked
       prompt = st.tree.prompt_ids
       n = len(prompt) - 1
-      try:
-        pages = self.alloc.alloc(-(-n // cfg.page_size), st.shard)
-      except PoolExhaustedError:
-        return None
+      pages = self.alloc.alloc(-(-n // cfg.page_size), shard)
       st.page_refs.append(pages)
       st.kv[0] = (pages, n)
       self._jobs.append([st, pages, 0, list(prompt[:-1]), None])
-    pages, kv_len = st.kv[node_id]
-    full = kv_len // cfg.page_size if cfg.share_prefix else 0
-    try:
-      return self.alloc.alloc(-(-kv_len // cfg.page_size) - full, shard)
-    except PoolExhaustedError:
-      return None
-
-  def _start(self, slot: int, st: TreeState, node_id: int, own: list[int], src, dst) -> None:
-    """Puts a branch from `node_id` in `slot`: the anchor's full pages shared, its partial last
-    one (every page, without sharing) queued for a copy into `own`."""
-    cfg, tree = self.cfg, st.tree
     pages, kv_len = st.kv[node_id]
     # Share the anchor's full pages (never written again); copy the partial last one. Without
     # sharing (an ablation), every page is copied.
     full = kv_len // cfg.page_size if cfg.share_prefix else 0
     used = -(-kv_len // cfg.page_size)
+    own = self.alloc.alloc(used - full, shard)
     shared = list(pages[:full])
-    shard = int(self.slot_shard[slot])
-    src[shard] += pages[full:used]
-    dst[shard] += own
+    self._copies[0][shard] += pages[full:used]
+    self._copies[1][shard] += own
     self.alloc.incref(shared)
+    b = self._new_branch(slot, st, node_id)
+    # The group key names the anchor's K/V itself (its first page): after new weights a root's
+    # prompt is prefilled again into other pages, and its old and new branches share nothing.
+    b.pages, b.kv_len, b.shared_pages = shared + own, kv_len, full
+    b.group_key = (st.tree.uid, node_id, pages[0] if pages else -1)
+    b.stale_kv = node_id in st.old_kv
+    self.slots[slot] = b
+    return True
+
+  def _new_branch(self, slot: int, st: TreeState, node_id: int) -> _Branch:
+    """A new branch of `st` from `node_id` (its rng stream, rollout index, turn limit), without
+    pages yet; counted as a rollout started."""
+    cfg, tree = self.cfg, st.tree
     node = tree.nodes[node_id]
     serial = st.branches
     st.branches += 1
     seq = np.random.SeedSequence([cfg.seed, tree.uid, serial])
-    # The group key names the anchor's K/V itself (its first page): after new weights a root's
-    # prompt is prefilled again into other pages, and its old and new branches share nothing.
-    b = _Branch(st, node_id, shared + own, kv_len, (node.gen_ids + node.obs_ids)[-1],
-                seq.generate_state(2, np.uint32), (tree.uid, node_id, pages[0] if pages else -1),
-                full)
-    b.serial, b.shard = serial, shard
+    b = _Branch(st, node_id, [], 0, (node.gen_ids + node.obs_ids)[-1],
+                seq.generate_state(2, np.uint32), None, 0)
+    b.serial, b.shard = serial, int(self.slot_shard[slot])
+    b.seq, self._start_seq = self._start_seq, self._start_seq + 1
     b.feature_for = node_id if node.feature is None else None
     b.turn_limit = self._turn_limit(b)
-    b.stale_kv = node_id in st.old_kv
-    self.slots[slot] = b
     if self.record_steps:
       self.starts.append((slot, tree.uid))
     self._charge(st).rollouts_started += 1
+    return b
 
   def _cut_start(self, st: TreeState, node_id: int) -> None:
     """Ends a branch the pool could not start as an empty `pool_exhausted` leaf under `node_id`

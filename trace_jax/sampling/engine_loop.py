@@ -14,7 +14,6 @@ from trace_jax.sampling import slot_tables
 from trace_jax.sampling.config import TurnRef
 from trace_jax.sampling.engine_pages import _Branch
 from trace_jax.sampling.observation import fit_observation_ids
-from trace_jax.sampling.paged_kv import PoolExhaustedError
 
 
 class DecodeLoopMixin:
@@ -60,8 +59,9 @@ class DecodeLoopMixin:
         self._step(decoding, num_workers, sync_turns)
 
   def _flush_prefill(self):
-    """Runs queued prefill jobs [owner, pages, start, tokens, features|None] (owner: the branch or
-    TreeState the work is charged to, None for scoring) in chunk/row
+    """Runs queued prefill jobs [owner, pages, start, tokens, features|None(, redo)] (owner: the
+    branch or TreeState the work is charged to, None for scoring; redo: how many of the leading
+    tokens rewrite K/V given back to make room, `recomputed_tokens`) in chunk/row
     buckets (a job with a features dict gets its final state at its last token and the sum of
     its final states, `prompt_features(keep=True)`); on a
     mesh each call holds a block of `prefill_rows` rows per data shard, each shard's own jobs."""
@@ -99,7 +99,11 @@ class DecodeLoopMixin:
         j[2] += t
         j[3] = j[3][t:]
         owner = j[0].state if isinstance(j[0], _Branch) else j[0]
-        self._charge(owner).prefill_tokens += t
+        redo = min(t, j[5]) if len(j) > 5 else 0  # K/V given back to make room, written again
+        if redo:
+          j[5] -= redo
+          self._charge(owner).recomputed_tokens += redo
+        self._charge(owner).prefill_tokens += t - redo
       if any(j[4] is not None for _, j in rows_of):  # scoring: read the rows' final states
         last, total = np.asarray(last), np.asarray(total)
         for r, j in rows_of:
@@ -115,23 +119,29 @@ class DecodeLoopMixin:
                       self.cfg.max_seq_len - 1 - b.kv_len))
 
   def _ensure_pages(self, decoding):
-    """Gives each decoding slot a page for its next write (a slot the pool cannot serve is cut),
-    then pages for the rest of its step budget as far as the pool allows (the budget shrinks to
-    the pages it got)."""
+    """Gives each decoding slot a page for its next write, oldest branch first, making room as
+    `engine_preempt` says (a branch it preempts leaves `decoding`; one the shard cannot hold
+    even alone is cut), then pages for the rest of its step budget as far as the free pages
+    allow (the budget shrinks to the pages it got)."""
     ok, cut, ps = [], [], self.cfg.page_size
-    for i in decoding:
+    for i in sorted(decoding, key=lambda i: self.slots[i].seq):
       b = self.slots[i]
+      if b is None:  # preempted for an older branch
+        continue
       if b.kv_len // ps >= len(b.pages):
-        try:
-          b.pages.extend(self.alloc.alloc(1, b.shard))
-        except PoolExhaustedError:
+        if not self._make_room(b.shard, 1, requester=b):
+          if self._others_on_shard(b):  # the others progress; this one resumes after
+            self._preempt(i)
+            continue
           if b.final:  # the leaf is complete; only its feature is lost
             self._retire(i)
             continue
-          b.end_reason = "pool_exhausted"
+          b.end_reason = "pool_exhausted"  # the shard cannot hold this branch alone
           cut.append(i)
           continue
+        b.pages.extend(self.alloc.alloc(1, b.shard))
       ok.append(i)
+    ok = [i for i in ok if self.slots[i] is not None]
     for i in ok:
       b = self.slots[i]
       b.budget = self._budget(b)
@@ -141,7 +151,7 @@ class DecodeLoopMixin:
         b.budget = min(b.budget, len(b.pages) * ps - b.kv_len)
     if cut:
       self._end_turns(cut)
-    return ok
+    return sorted(ok)
 
   def _step(self, decoding, num_workers, sync_turns):
     cfg, s, ps = self.cfg, self.cfg.num_slots, self.cfg.page_size
@@ -242,6 +252,8 @@ class DecodeLoopMixin:
     """Records the turn nodes of slots `idx`, runs the environment, queues observation prefills."""
     cfg, calls = self.cfg, []
     for i in idx:
+      self.slots[i].ending = True  # not a victim for the observations' pages (`engine_preempt`)
+    for i in idx:
       b = self.slots[i]
       b.waiting = False
       ids = b.turn_ids[:-1] if b.turn_ids and b.turn_ids[-1] == self.eos_id else b.turn_ids
@@ -267,6 +279,9 @@ class DecodeLoopMixin:
         self._add_observation(b, obs or "")
     for i in idx:
       b = self.slots[i]
+      if b is None:  # preempted for its observation's pages (`_preempt_after_observation`)
+        continue
+      b.ending = False
       b.turn_ids, b.turn_lps, b.turn_ents, b.end_reason = [], [], [], ""
       if b.node.done:
         self._finish(i)
@@ -284,12 +299,14 @@ class DecodeLoopMixin:
       return
     if obs:
       tokens = [b.pending] + obs[:-1]
-      need = -(-(b.kv_len + len(tokens)) // cfg.page_size) - len(b.pages)
-      try:
-        b.pages.extend(self.alloc.alloc(max(0, need), b.shard))
-      except PoolExhaustedError:
+      need = max(0, -(-(b.kv_len + len(tokens)) // cfg.page_size) - len(b.pages))
+      if not self._make_room(b.shard, need, requester=b):
+        if self._others_on_shard(b):  # resumes later from this node, observation included
+          self._preempt_after_observation(b, tokens, obs[-1])
+          return
         node.done, node.truncated, node.reward = True, "pool_exhausted", cfg.truncation_reward
         return
+      b.pages.extend(self.alloc.alloc(need, b.shard))
       self._jobs.append([b, b.pages, b.kv_len, tokens, None])
       b.kv_len += len(tokens)
       b.pending = obs[-1]

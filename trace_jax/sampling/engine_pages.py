@@ -15,7 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-from trace_jax.sampling.paged_kv import tree_pages
 from trace_jax.sampling.tree import Node, Tree
 
 
@@ -37,6 +36,8 @@ class TreeState:
   ahead: admitted as a rollout of the caller's next step (`run(ahead=...)`) and not yet adopted:
     its work is charged to `engine.ahead_ledger`, and the current run neither waits for it nor
     reports it.
+  evicted: ids of nodes whose cached K/V was given back to make room (`engine_preempt`): a fork
+    from one prefills its prefix again, counted as recomputed.
   old_kv: ids of the nodes in `kv` whose K/V was written, at least in part, under weights that
     `update_params` has since replaced: a branch forked from one samples its tokens from the new
     weights over the old K/V (neither policy's), and counts them in `meta["stale_tokens"]`.
@@ -52,6 +53,7 @@ class TreeState:
   prompt_mean: np.ndarray | None = None
   ahead: bool = False
   old_kv: set[int] = dataclasses.field(default_factory=set)
+  evicted: set[int] = dataclasses.field(default_factory=set)
 
 
 class _Branch:
@@ -77,6 +79,10 @@ class _Branch:
     self.shard = 0                       # data shard holding the branch's pages and slot
     self.budget = 0                      # decode steps of the next device call
     self.stale_kv = False                # its K/V holds some written under replaced weights
+    self.ending = False                  # its turn end is being processed (`_end_turns`)
+    self.seq = 0                         # start order in the engine (preemption priority)
+    self.rekv: list[tuple[int, int]] = []  # (node, KV length) it recorded, lost when preempted
+    self.unwritten = 0                   # its last tokens whose K/V was never written (preempted)
 
 
 class PageBookkeepingMixin:
@@ -133,25 +139,24 @@ class PageBookkeepingMixin:
     for k in [k for k in st.kv if k >= n_nodes]:
       del st.kv[k]
     st.old_kv = {k for k in st.old_kv if k < n_nodes}  # ids the next nodes take again
+    st.evicted = {k for k in st.evicted if k < n_nodes}
 
-  def check_tree_fits(self, branches: int, what: str = "a tree") -> None:
-    """Raises ValueError unless one pool shard holds `branches` rollouts of `max_seq_len` tokens
-    each (the worst case of one tree, no prefix shared): a tree's pages all live on the data shard
-    it was placed on, so a tree larger than a shard's page range cannot be sampled. Callers pass
-    the largest tree they will request (e.g. the train loop: stage 1's per-prompt cap, the probe's
-    8 samples). Stage-2 continuations fork from pages the tree already holds and are not counted:
-    one that finds its shard full (at its start or mid-turn) ends its turn as `pool_exhausted`,
-    as does a new prompt that cannot get its pages while nothing on its shard is decoding (see
-    `run`); `run` refuses up front only prompts that could never fit."""
+  def check_rollout_fits(self, what: str = "a rollout") -> None:
+    """Raises ValueError unless one pool shard holds a rollout of `max_seq_len` tokens and the
+    copy of its anchor's partial page: the least a branch needs alone. A tree's pages live on the
+    shard it was placed on; a fuller shard evicts cached K/V and preempts branches
+    (`engine_preempt`), so only a rollout the shard cannot hold alone could ever be cut."""
     cfg = self.cfg
-    need, have = tree_pages(branches, cfg.max_seq_len, cfg.page_size, cfg.num_pages, self.shards)
+    need = cfg.max_pages_per_seq + 1
+    have = self.alloc.pages_per_shard - 1
     if need > have:
       where = (f"one of the {self.shards} data shards" if self.shards > 1 else "the pool")
       raise ValueError(
-          f"{what} of {branches} rollouts x {cfg.max_pages_per_seq} pages (max_seq_len "
-          f"{cfg.max_seq_len} / page_size {cfg.page_size}) needs {need} pages on one shard, but "
-          f"{where} holds {have} (num_pages {cfg.num_pages}); raise num_pages to at least "
-          f"{(need + 1) * self.shards}" + (" or use fewer data shards" if self.shards > 1 else ""))
+          f"{what} of up to {cfg.max_pages_per_seq} pages (max_seq_len {cfg.max_seq_len} / "
+          f"page_size {cfg.page_size}) and one page for its anchor's copy needs {need} pages on "
+          f"one shard, but {where} holds {have} (num_pages {cfg.num_pages}); raise num_pages to "
+          f"at least {(need + 1) * self.shards}"
+          + (" or use fewer data shards" if self.shards > 1 else ""))
 
   def drop_kept(self) -> None:
     """Releases the pages of scored prompts kept for sampling (`prompt_features(keep=True)`)
@@ -185,8 +190,20 @@ class PageBookkeepingMixin:
 
   def _branch_ended(self, st: TreeState) -> None:
     st.outstanding -= 1
-    if st.outstanding == 0 and self._on_trees_done is not None and not st.ahead:
-      self._idle.append(st.tree)
+    if st.outstanding == 0:
+      # Idle: no branch of it runs or waits, so its node ids can move to the canonical order
+      # (`Tree.canonicalize`): a tree's ids, and so everything read from them, are then the
+      # same whatever the schedule (slots, pool, preemptions).
+      moved = st.tree.canonicalize()
+      if moved is not None:
+        st.kv = {moved[k]: v for k, v in st.kv.items()}
+        st.old_kv = {moved[k] for k in st.old_kv}
+        st.evicted = {moved[k] for k in st.evicted}
+        env_renumber = getattr(self.env_step, "renumber", None)
+        if env_renumber is not None:  # an env callback keeping per-node state (it has `release`)
+          env_renumber(st.tree, moved)
+      if self._on_trees_done is not None and not st.ahead:
+        self._idle.append(st.tree)
 
   def _drop_unwritten(self) -> None:
     """After an aborted run: forgets the K/V records of nodes whose prefill (a prompt's, or an

@@ -57,6 +57,8 @@ class PageAllocator:
     self.num_pages, self.shards = num_pages, shards
     self.pages_per_shard = num_pages // shards
     self.refcount = np.zeros(num_pages, np.int32)
+    self.in_use = 0  # pages handed out and not yet free
+    self.peak = 0    # the most in use at once since the caller last set it (e.g. to in_use)
     # Pop from the end: low page ids first keeps small runs compact, which is nice when debugging.
     n = self.pages_per_shard
     self._free = [list(range((s + 1) * n - 1, s * n, -1)) for s in range(shards)]
@@ -90,6 +92,8 @@ class PageAllocator:
           f"num_slots/max_seq_len, or release finished trees")
     pages = [free.pop() for _ in range(n)]
     self.refcount[pages] = 1
+    self.in_use += n
+    self.peak = max(self.peak, self.in_use)
     return pages
 
   def incref(self, pages) -> None:
@@ -105,6 +109,7 @@ class PageAllocator:
       self.refcount[p] -= 1
       if self.refcount[p] == 0:
         self._free[p // self.pages_per_shard].append(p)
+        self.in_use -= 1
 
 
 @dataclasses.dataclass(frozen=True)

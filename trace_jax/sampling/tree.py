@@ -113,6 +113,26 @@ class Tree:
     self.nodes[parent].children.append(node.id)
     return node
 
+  def canonicalize(self) -> dict[int, int] | None:
+    """Renumbers the nodes in a canonical order, by (rollout, depth): the ids then depend on what
+    was sampled, not on the order in which the branches' turns happened to end (which the
+    sampler's schedule, its slots and its pool, decide). A node's parent comes first (its own
+    rollout's earlier turn, or an anchor an earlier rollout made), and nodes already in canonical
+    order keep their ids when later rollouts add nodes. Returns old id -> new id, or None when
+    nothing moved."""
+    order = sorted(range(len(self.nodes)),
+                   key=lambda i: (-2 if i == 0 else self.nodes[i].rollout, self.nodes[i].depth, i))
+    if order == list(range(len(self.nodes))):
+      return None
+    new_of = {old: new for new, old in enumerate(order)}
+    nodes = [self.nodes[i] for i in order]
+    for n in nodes:
+      n.id = new_of[n.id]
+      n.parent = new_of[n.parent] if n.parent >= 0 else -1
+      n.children = sorted(new_of[c] for c in n.children)
+    self.nodes[:] = nodes
+    return new_of
+
   def path(self, node_id: int) -> list[int]:
     """Node ids from the root down to `node_id` (inclusive)."""
     ids = []
