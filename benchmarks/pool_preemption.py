@@ -44,8 +44,8 @@ def compare(ample: list[dict], tight: list[dict], rel: float = 1e-5, floor: floa
       if _ignored(key):
         continue
       vb = rb.get(key)
-      same_nan = isinstance(va, float) and isinstance(vb, float) and math.isnan(va) and math.isnan(vb)
-      if va == vb or same_nan:
+      nans = all(isinstance(v, float) and math.isnan(v) for v in (va, vb))
+      if va == vb or nans:
         out["equal"] += 1
         continue
       numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
@@ -61,7 +61,7 @@ def compare(ample: list[dict], tight: list[dict], rel: float = 1e-5, floor: floa
   return out
 
 
-def _train(workdir: str, cache: str, steps: int, extra: list[str]) -> list[dict]:
+def _train(workdir: str, cache: str, steps: int, extra: list[str]) -> tuple[list[dict], float]:
   cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config=configs/mhqa.py:smoke",
          f"--workdir={workdir}", f"--config.world.cache_dir={cache}", f"--config.rl.steps={steps}",
          *extra]
@@ -70,8 +70,10 @@ def _train(workdir: str, cache: str, steps: int, extra: list[str]) -> list[dict]
                        text=True)
   if res.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    wall = json.load(f)["wall_seconds"]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:  # (the warm start: cached, shared)
-    return [r for r in map(json.loads, f) if r.get("step", 0) >= 0]
+    return [r for r in map(json.loads, f) if r.get("step", 0) >= 0], wall
 
 
 def main() -> None:
@@ -83,12 +85,12 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, "cache")
     print("ample pool ...", flush=True)
-    ample = _train(os.path.join(tmp, "ample"), cache, args.steps, [])
+    ample, ample_s = _train(os.path.join(tmp, "ample"), cache, args.steps, [])
     peak = max(r.get("sampler_peak_pages", 0) for r in ample)
     pages = max(2, int(peak * args.share))
     print(f"peak {peak} pages; tight pool of {pages} ...", flush=True)
-    tight = _train(os.path.join(tmp, "tight"), cache, args.steps,
-                   [f"--config.rollout.num_pages={pages}"])
+    tight, tight_s = _train(os.path.join(tmp, "tight"), cache, args.steps,
+                            [f"--config.rollout.num_pages={pages}"])
   steps = [r for r in tight if "sampler_peak_pages" in r]
   result = dict(
       command=" ".join(sys.argv), steps=args.steps, ample_peak_pages=peak, tight_num_pages=pages,
@@ -96,6 +98,8 @@ def main() -> None:
       preemptions=sum(r["sampler_preemptions"] for r in steps),
       recomputed_tokens=sum(r["sampler_recomputed_tokens"] for r in steps),
       system_cut_leaves=sum(r.get("system_cut_leaves", 0) for r in steps),
+      # One run each, on a shared machine: a rough price of the recompute, not a benchmark.
+      wall_seconds={"ample": round(ample_s, 1), "tight": round(tight_s, 1)},
       per_step=[{k: r[k] for k in ("step", "sampler_preemptions", "sampler_recomputed_tokens",
                                    "sampler_peak_pages", "reward_mean", "loss", "grad_norm",
                                    "generated_tokens_total") if k in r} for r in steps],

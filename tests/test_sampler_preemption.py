@@ -25,8 +25,8 @@ def _leaves(trees) -> list[dict]:
   return out
 
 
-def _sample(model, greedy, **kw):
-  engine = make_engine(model, greedy=greedy, temperature=1.0, **kw)
+def _sample(mdl, greedy, **kw):
+  engine = make_engine(mdl, greedy=greedy, temperature=1.0, **kw)
   engine.alloc.peak = 0
   trees = two_stage(engine, n=3, k=2)
   return engine, trees

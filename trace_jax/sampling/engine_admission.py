@@ -68,8 +68,9 @@ class AdmissionMixin:
     Every request (and `ahead`) is checked before any is admitted: a bad one raises and the engine
     is as it was (carried trees still carried). A prompt a pool shard cannot hold alone is refused
     up front with PoolExhaustedError. A pool that is merely full evicts cached K/V, makes
-    branches wait or preempts them (`engine_preempt`), never an error. After an error inside the run, every branch's pages go to its tree
-    (`release` frees them) and nodes whose queued prefill never ran are no longer forkable.
+    branches wait or preempts them (`engine_preempt`), never an error. After an error inside the
+    run, every branch's pages go to its tree (`release` frees them) and nodes whose queued
+    prefill never ran are no longer forkable.
     """
     s = self.cfg.num_slots
     if not 1 <= num_workers <= s:
