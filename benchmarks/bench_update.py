@@ -20,6 +20,14 @@ results/update_bench.json:
 where unique_token_ratio = unique tokens / token slots computed (packed), slot_ratio = packed /
 unpacked slots, proportionality = (packed_s / unpacked_s) / slot_ratio (1 = time proportional to
 the slots computed; the target is within 1.25), and results/update_bench.png.
+
+`deep_tree_whole` (issue 54) is the deep workload with whole trees per row of `--whole_row_len`
+tokens, against every unpacked sequence (`none_all`: as many rows as they need, none dropped),
+with the dense mask (`tree`) and with the block-sparse attention (`tree_blocked`,
+`rl.attention=blocked`):
+  python benchmarks/bench_update.py --workloads=deep_tree_whole --out=results/update_bench_blocked
+gives unpacked_s, dense_s, blocked_s, speedup (unpacked / blocked), blocked_over_dense and
+proportionality (of the blocked rows).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ _PACK_ROW_LEN = flags.DEFINE_integer("pack_row_len", 0, "rl.pack_row_len of the 
                                      "(0: env.max_seq_len)")
 _WORKLOADS = flags.DEFINE_string("workloads", "default_trace_tree,default_grpo,deep_tree",
                                  "comma-separated workloads to run")
+_WHOLE_ROW_LEN = flags.DEFINE_integer("whole_row_len", 1536, "rl.pack_row_len of deep_tree_whole "
+                                      "(rows long enough to hold whole deep trees)")
 _TREES_FROM = flags.DEFINE_string("trees_from", "", "read each method's sampled trees from "
                                   "<dir>/<method>/trees_<i>.jsonl (an earlier run's) instead of "
                                   "sampling them")
@@ -146,27 +156,37 @@ def unique_tokens(trees, row_len: int) -> int:
 
 
 LAYOUTS = ("none", "none_bucketed", "tree")
+# deep_tree_whole: every unpacked sequence (no row cap, nothing dropped), whole trees per long row
+# with the dense mask, the same rows with the block-sparse attention (`rl.attention=blocked`).
+WHOLE_LAYOUTS = ("none_all", "tree", "tree_blocked")
 
 
-def layout_batches(run, batches) -> dict:
+def layout_batches(run, batches, layouts=LAYOUTS, pack_row_len=None) -> dict:
   """Per layout, the (batch, info) of each batch of trees: `none` as the train loop packs it
   unpacked (today's fixed rows), `none_bucketed` unpacked in the tree layout's row buckets (the
-  shapes-follow-the-work half of the gain alone) and `tree` as the train loop packs it."""
+  shapes-follow-the-work half of the gain alone), `none_all` unpacked in as many rows as its
+  sequences need, `tree` as the train loop packs it and `tree_blocked` the same with
+  `rl.attention=blocked`. Tree rows are `pack_row_len` long (default: the flag)."""
   from trace_jax import train
   from trace_jax.parallel.micro_batch import row_shards
   from trace_jax.rl.batch import pack_batch, row_buckets
 
   c = run.c
-  out = {k: [] for k in LAYOUTS}
+  row = _PACK_ROW_LEN.value if pack_row_len is None else pack_row_len
+  multiple = (c.rl.micro_batches * c.rl.minibatches
+              * row_shards(run.mesh if run.mesh.size > 1 else None))
+  out = {k: [] for k in layouts}
   for trees in batches:
-    for name in LAYOUTS:
-      packing = "tree" if name == "tree" else "none"
+    for name in layouts:
+      packing = "tree" if name.startswith("tree") else "none"
+      attention = "blocked" if name == "tree_blocked" else "dense"
       cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing,
-                                          "pack_row_len": _PACK_ROW_LEN.value}))
+                                          "pack_row_len": row, "attention": attention}))
       units = train.training_units(cp, trees)
-      if name == "none_bucketed":
-        multiple = (c.rl.micro_batches * c.rl.minibatches
-                    * row_shards(run.mesh if run.mesh.size > 1 else None))
+      if name == "none_all":
+        out[name].append(pack_batch(units, c.env.max_seq_len, train.preds_per_row(cp),
+                                    row_multiple=multiple))
+      elif name == "none_bucketed":
         out[name].append(pack_batch(units, c.env.max_seq_len, train.preds_per_row(cp),
                                     buckets=row_buckets(train.update_rows(c, run.mesh),
                                                         multiple)))
@@ -175,12 +195,13 @@ def layout_batches(run, batches) -> dict:
   return out
 
 
-def measure(run, state, batches, repeats: int, timing: bool) -> dict:
+def measure(run, state, batches, repeats: int, timing: bool, layouts=LAYOUTS,
+            pack_row_len=None) -> dict:
   import jax
   import jax.numpy as jnp
 
   c = run.c
-  per = layout_batches(run, batches)
+  per = layout_batches(run, batches, layouts, pack_row_len)
   out = {}
   for name, items in per.items():
     rows = [info["padded_rows"] for _, info in items]
@@ -189,27 +210,29 @@ def measure(run, state, batches, repeats: int, timing: bool) -> dict:
                      slots=float(np.median(rows)) * length,
                      tokens=float(np.median([info["tokens"] for _, info in items])),
                      dropped_sequences=float(sum(i["dropped_sequences"] for _, i in items)))
+    if "attention_blocks" in items[0][1]:
+      out[name]["attention_blocks"] = float(np.median([i["attention_blocks"] for _, i in items]))
     batch = max(items, key=lambda x: x[1]["padded_rows"])[0]
     m = run.update.lower(state.train, batch).compile().memory_analysis()
     out[name]["peak_bytes"] = float(m.argument_size_in_bytes + m.output_size_in_bytes
                                     + m.temp_size_in_bytes - m.alias_size_in_bytes)
   out["unique_tokens"] = float(np.median([unique_tokens(t, c.env.max_seq_len) for t in batches]))
   if timing:
-    times = {k: [] for k in LAYOUTS}
+    times = {k: [] for k in layouts}
     for i in range(len(batches)):
-      for name in LAYOUTS:  # compile every shape first
+      for name in layouts:  # compile every shape first
         ts = jax.tree.map(jnp.copy, state.train)
         jax.block_until_ready(run.update(ts, per[name][i][0]))
-      reps = {k: [] for k in LAYOUTS}
+      reps = {k: [] for k in layouts}
       for _ in range(repeats):
-        for name in LAYOUTS:  # alternate, so load drifts hit every layout alike
+        for name in layouts:  # alternate, so load drifts hit every layout alike
           ts = jax.block_until_ready(jax.tree.map(jnp.copy, state.train))
           t0 = time.perf_counter()
           jax.block_until_ready(run.update(ts, per[name][i][0]))
           reps[name].append(time.perf_counter() - t0)
-      for name in LAYOUTS:
+      for name in layouts:
         times[name].append(float(np.median(reps[name])))
-    for name in LAYOUTS:
+    for name in layouts:
       out[name]["seconds"] = float(np.median(times[name]))
       out[name]["seconds_per_batch"] = times[name]
   return out
@@ -240,6 +263,31 @@ def summarize(m: dict) -> dict:
   return row
 
 
+def summarize_whole(m: dict) -> dict:
+  """deep_tree_whole: unpacked (every sequence) against whole-tree rows, dense and blocked.
+  speedup = unpacked_s / blocked_s; proportionality = (blocked_s / unpacked_s) / slot_ratio as in
+  `summarize`; dense_proportionality the same for the dense rows."""
+  u, d, k = m["none_all"], m["tree"], m["tree_blocked"]
+  row = dict(unpacked_rows=u["rows"], packed_rows=d["rows"], packed_row_len=d["row_len"],
+             unpacked_slots=u["slots"], packed_slots=d["slots"], unpacked_tokens=u["tokens"],
+             packed_tokens=d["tokens"], unique_tokens=m["unique_tokens"],
+             unique_token_ratio=m["unique_tokens"] / d["slots"],
+             slot_ratio=d["slots"] / u["slots"], attention_blocks=k.get("attention_blocks"),
+             unpacked_peak_mb=u["peak_bytes"] / 2**20, dense_peak_mb=d["peak_bytes"] / 2**20,
+             blocked_peak_mb=k["peak_bytes"] / 2**20,
+             dropped_sequences=u["dropped_sequences"] + d["dropped_sequences"])
+  if "seconds" in u:
+    row.update(unpacked_s=u["seconds"], dense_s=d["seconds"], blocked_s=k["seconds"],
+               speedup=u["seconds"] / k["seconds"], dense_speedup=u["seconds"] / d["seconds"],
+               blocked_over_dense=d["seconds"] / k["seconds"],
+               proportionality=(k["seconds"] / u["seconds"]) / row["slot_ratio"],
+               dense_proportionality=(d["seconds"] / u["seconds"]) / row["slot_ratio"],
+               unpacked_s_per_batch=u["seconds_per_batch"],
+               dense_s_per_batch=d["seconds_per_batch"],
+               blocked_s_per_batch=k["seconds_per_batch"])
+  return row
+
+
 def main(argv):
   del argv
   timing = not _NO_TIMING.value
@@ -247,7 +295,8 @@ def main(argv):
   run = state = None
   todo = _WORKLOADS.value.split(",")
   for method in ("trace_tree", "grpo"):
-    if f"default_{method}" not in todo and not (method == "trace_tree" and "deep_tree" in todo):
+    deep = any(w.startswith("deep_tree") for w in todo)
+    if f"default_{method}" not in todo and not (method == "trace_tree" and deep):
       continue
     run, state, batches = sample_batches(method, _CONFIG.value, _BATCHES.value)
     sampled[method] = batches
@@ -256,7 +305,7 @@ def main(argv):
     workloads[f"default_{method}"] = summarize(measure(run, state, batches, _REPEATS.value,
                                                        timing))
     print(json.dumps({f"default_{method}": workloads[f"default_{method}"]}), flush=True)
-  if "deep_tree" not in todo:
+  if not any(w.startswith("deep_tree") for w in todo):
     return finish(run, workloads, timing)
   rng = np.random.default_rng(0)
   lengths = node_lengths(sampled["trace_tree"])
@@ -264,10 +313,16 @@ def main(argv):
                   for t in b for nd in t.nodes)  # token ids the model has sampled or read
   deep = [deep_trees(rng, _DEEP_TREES.value, lengths, run.c.env.max_seq_len, vocab)
           for _ in range(_BATCHES.value)]
-  workloads["deep_tree"] = summarize(measure(run, state, deep, _REPEATS.value, timing))
-  workloads["deep_tree"]["leaves_per_tree"] = float(np.mean([len(t.leaves()) for b in deep
-                                                             for t in b]))
-  print(json.dumps({"deep_tree": workloads["deep_tree"]}), flush=True)
+  leaves = float(np.mean([len(t.leaves()) for b in deep for t in b]))
+  if "deep_tree" in todo:
+    workloads["deep_tree"] = summarize(measure(run, state, deep, _REPEATS.value, timing))
+    workloads["deep_tree"]["leaves_per_tree"] = leaves
+    print(json.dumps({"deep_tree": workloads["deep_tree"]}), flush=True)
+  if "deep_tree_whole" in todo:
+    workloads["deep_tree_whole"] = summarize_whole(measure(
+        run, state, deep, _REPEATS.value, timing, WHOLE_LAYOUTS, _WHOLE_ROW_LEN.value))
+    workloads["deep_tree_whole"]["leaves_per_tree"] = leaves
+    print(json.dumps({"deep_tree_whole": workloads["deep_tree_whole"]}), flush=True)
   finish(run, workloads, timing)
 
 
@@ -276,14 +331,18 @@ def finish(run, workloads: dict, timing: bool):
              machine=platform.processor() or platform.machine(), cpus=os.cpu_count(),
              config=_CONFIG.value, timing=timing, repeats=_REPEATS.value,
              row_len=run.c.env.max_seq_len, pack_row_len=_PACK_ROW_LEN.value,
+             whole_row_len=_WHOLE_ROW_LEN.value,
              train_rows=run.c.rl.train_rows,
              targets=dict(default_trace_tree_speedup=1.6, default_grpo_speedup=1.3,
-                          deep_tree_speedup=2.5, proportionality=1.25),
+                          deep_tree_speedup=2.5, proportionality=1.25,
+                          deep_tree_whole_speedup=2.5, deep_tree_whole_proportionality=1.1),
              workloads=workloads)
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value + ".json", "w") as f:
     json.dump(out, f, indent=1)
-  plot(workloads, _OUT.value + ".png", timing)
+  plotted = {k: w for k, w in workloads.items() if "unpacked_bucketed_rows" in w}
+  if plotted:  # deep_tree_whole has its own three layouts: its numbers are in the json
+    plot(plotted, _OUT.value + ".png", timing)
 
 
 def plot(workloads: dict, path: str, timing: bool):

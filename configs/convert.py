@@ -134,6 +134,15 @@ def validate(c: TrainConfig) -> None:
     raise ValueError(f"rl.pack_row_len={c.rl.pack_row_len} must be 0 or at least env.max_seq_len="
                      f"{c.env.max_seq_len} (a root path must fit one row)")
 
+  # ---- LoRA (trace_jax/models/lora.py)
+  lo = c.model.lora
+  if lo.rank > 0:
+    from trace_jax.models.lora import parse_targets
+    parse_targets(lo.targets)  # names an unknown projection
+    if lo.dropout > 0:
+      raise ValueError(f"model.lora.dropout={lo.dropout}: only 0 is supported (the jitted update "
+                       f"takes no rng, so a dropout mask could not be replayed on resume)")
+
   # ---- the lessons world
   w = c.world
   if not 1 <= w.n_relations + w.n_plain_relations <= 40 or w.n_relations < 1:

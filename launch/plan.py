@@ -3,6 +3,8 @@
   python launch/plan.py --config=configs/mhqa.py:qwen3_14b --mesh=data:4,fsdp:1,tensor:8
   python launch/plan.py --config=configs/mhqa.py:qwen3_14b   # Qwen3-8B and 14B on v5p-64, v5e-256
   python launch/plan.py --config=configs/mhqa.py:qwen3_14b --out=results/plan_qwen3.md
+  python launch/plan.py --config=configs/mhqa.py:qwen3_14b --lora_rank=16 \
+      --out=results/plan_lora.md   # 7-14B, full and LoRA, on v5e-8, v5p-8, one 80/141 GB GPU
 
 The table takes the config's rollout (slots, KV pages, page size), env (sequence length) and rl
 (rows, micro-batches, remat, kl_coef) sections and plans both Qwen3-8B and Qwen3-14B with them on
@@ -38,6 +40,9 @@ _KV_POOL = flags.DEFINE_enum("kv_pool", "sharded", KV_POOL_LAYOUTS, "KV pool lay
                              "sampler), main (heads over tensor only: an engine without a mesh), "
                              "replicated")
 _OUT = flags.DEFINE_string("out", None, "also write the report (markdown) here")
+_LORA = flags.DEFINE_integer("lora_rank", 0, "> 0: LoRA at this rank next to full fine-tuning "
+                             "for the 7-14B presets on single hosts (results/plan_lora.md)")
+_LORA_TARGETS = flags.DEFINE_string("lora_targets", "q,k,v,o,gate,up,down", "LoRA projections")
 _PAGES = flags.DEFINE_bool("pages", False, "report every variant's worst-case KV pages per RL "
                            "step against its pool instead (results/kv_pages.md)")
 # The devices (and mesh, where not the config's) each variant of configs/mhqa.py runs on: a CPU,
@@ -73,7 +78,8 @@ def _plan(cfg, mesh: str, s: dict):
   dp = sizes["data"] * sizes["fsdp"]
   # Longer packed rows: as many token slots in fewer rows (`train.pack_rows`'s cap).
   useq = s.get("update_seq_len") or s["seq_len"]
-  return plan_memory(cfg, mesh, num_pages=s["num_pages"], page_size=s["page_size"],
+  lora = {k: s[k] for k in ("lora_rank", "lora_targets", "lora_sampler") if k in s}
+  return plan_memory(cfg, mesh, num_pages=s["num_pages"], page_size=s["page_size"], **lora,
                      seq_len=s["seq_len"], update_seq_len=useq,
                      rows=_rows(-(-s["train_rows"] * s["seq_len"] // useq), s["micro_batches"],
                                 dp, s.get("minibatches", 1)),
@@ -103,8 +109,8 @@ def _breakdown(p) -> list[str]:
 
 
 # Config changes tried when no split of a slice fits the config as is: fewest changed fields first.
-def _changes(s: dict):
-  micro = [s["micro_batches"]] + [m for m in (16, 8, 64, 128) if m != s["micro_batches"]]
+def _changes(s: dict, micro_options=(16, 8, 64, 128)):
+  micro = [s["micro_batches"]] + [m for m in micro_options if m != s["micro_batches"]]
   pages = [s["num_pages"]] + [p for p in (4096, 2048) if p < s["num_pages"]]
   pools = [s["kv_pool"]] + [k for k in ("sharded",) if k != s["kv_pool"]]
   remats = [s["remat"]] + [r for r in ("full",) if r != s["remat"]]
@@ -115,15 +121,17 @@ def _changes(s: dict):
   return sorted(out, key=len)  # stable: within a count, the order above
 
 
-def _search(cfg, c, n_dev: int, gb: float):
+def _search(cfg, c, n_dev: int, gb: float, meshes=None, micro_options=(16, 8, 64, 128),
+            **settings):
   """The first change (in `_changes` order) under which some split fits, with the best split's
-  plan (the lowest peak)."""
-  s0 = _settings(c)
+  plan (the lowest peak). meshes: the splits tried (default `candidate_meshes`); settings
+  override the config's (`_settings`)."""
+  s0 = _settings(c, **settings)
   closest = None  # (over, mesh, plan) with the lowest peak of all tried, when none fits
-  for over in _changes(s0):
+  for over in _changes(s0, micro_options):
     s = dict(s0, **over)
     best = None
-    for mesh in candidate_meshes(n_dev, cfg.num_kv_heads):
+    for mesh in meshes or candidate_meshes(n_dev, cfg.num_kv_heads):
       p = _plan(cfg, mesh, s)
       if p.error:
         continue
@@ -230,6 +238,82 @@ def report(c) -> str:
   return "\n".join(lines) + "\n"
 
 
+# Single hosts for `--lora`: name -> (devices, GB each).
+HOSTS = {"v5e-8": (8, 16), "v5p-8": (4, 95), "1 GPU 80 GB": (1, 80), "1 GPU 141 GB": (1, 141)}
+LORA_PRESETS = ("qwen3_8b", "qwen3_14b", "qwen2p5_7b", "llama3p1_8b")
+# One host holds the config's rows in more micro-batches (down to one row per device each).
+HOST_MICRO = (16, 8, 64, 128, 256, 512)
+
+
+def host_meshes(n_dev: int, num_kv_heads: int) -> list[str]:
+  """Every (data, fsdp, tensor) split of n_dev devices with tensor dividing the KV heads."""
+  out = []
+  for t in (1, 2, 4, 8):
+    if n_dev % t or num_kv_heads % t:
+      continue
+    f = 1
+    while f <= n_dev // t:
+      if (n_dev // t) % f == 0:
+        out.append(f"data:{n_dev // t // f},fsdp:{f},tensor:{t}")
+      f *= 2
+  return out
+
+
+def _host_cell(cfg, c, n_dev, gb, **lora) -> tuple[str, str]:
+  """(table cell, detail line) of one model on one host, full fine-tuning or LoRA."""
+  meshes = host_meshes(n_dev, cfg.num_kv_heads)
+  over, best, closest = _search(cfg, c, n_dev, gb, meshes=meshes, micro_options=HOST_MICRO,
+                                **lora)
+  if over is None:
+    co, cm, cp = closest
+    return (f"no ({cp.total_gb:.0f} GB)",
+            f"does not fit; closest {cm} with {co or 'the config as is'}: peak "
+            f"{cp.total_gb:.1f} GB of {gb * _HEADROOM:.0f} usable; " + _breakdown(cp)[0].strip())
+  m, p = best
+  return (f"yes ({p.total_gb:.0f} GB)",
+          f"fits on {m} with {over or 'the config as is'}: peak {p.total_gb:.1f} GB "
+          f"(update {p.update_gb:.1f}, decode {p.decode_gb:.1f})")
+
+
+def lora_report(c, rank: int, targets: str) -> str:
+  """LoRA next to full fine-tuning for the 7-14B presets on single hosts (`HOSTS`)."""
+  s = _settings(c)
+  lines = ["# Per-device memory: LoRA next to full fine-tuning on one host\n",
+           f"`python launch/plan.py --config=configs/mhqa.py:{c.variant} --lora_rank={rank}`. "
+           f"The config's settings (sequences of {s['seq_len']} tokens, {s['num_slots']} decode "
+           f"slots, train_rows {s['train_rows']}, micro_batches {s['micro_batches']}, remat "
+           f"`{s['remat']}`, kl_coef {s['kl_coef']}, params {c.model.param_dtype}); where they do "
+           f"not fit, the first change that does (micro_batches 8 to 512, KV pages down to 2048, "
+           f"remat full) on the best (data, fsdp, tensor) split. Full fine-tuning: f32 masters "
+           f"and AdamW moments of every weight, the sampler's copy, the KL reference. LoRA rank "
+           f"{rank} on `{targets}` (`model.lora`): the frozen base (also the KL reference), f32 "
+           f"adapters and moments. 'yes' = peak within "
+           f"{_HEADROOM:.0%} of the device's memory; GB = 1e9 bytes.\n",
+           "Per host three columns: full fine-tuning, LoRA with the sampler's merged copy "
+           "(`model.lora.sampler=merged`, the default), LoRA unmerged (no second copy of the "
+           "weights where the mesh has no fsdp; decode does the low-rank products).\n",
+           "| model | params | " + " | ".join(f"{h} full | LoRA | LoRA unmerged" for h in HOSTS)
+           + " |", "|---|---|" + "---|---|---|" * len(HOSTS)]
+  details = []
+  from trace_jax.models import get_preset as any_preset  # every family's presets
+
+  for preset in LORA_PRESETS:
+    cfg = any_preset(preset, dtype=c.model.dtype, param_dtype=c.model.param_dtype)
+    cells = []
+    for host, (n_dev, gb) in HOSTS.items():
+      for name, lora in (("full", {}),
+                         ("LoRA", dict(lora_rank=rank, lora_targets=targets,
+                                       lora_sampler="merged")),
+                         ("LoRA unmerged", dict(lora_rank=rank, lora_targets=targets,
+                                                lora_sampler="unmerged"))):
+        cell, detail = _host_cell(cfg, c, n_dev, gb, **lora)
+        cells.append(cell)
+        details.append(f"- {preset}, {host}, {name}: {detail}")
+    n = _plan(cfg, host_meshes(1, cfg.num_kv_heads)[0], s).n_params
+    lines.append(f"| {preset} | {n / 1e9:.1f}B | " + " | ".join(cells) + " |")
+  return "\n".join(lines + ["", "## Each cell\n"] + details) + "\n"
+
+
 def pages_report() -> str:
   """Every variant's worst-case KV pages per RL step against its pool (`trace_jax.kv_demand`)."""
   from configs import mhqa
@@ -246,7 +330,8 @@ def pages_report() -> str:
           "shared, trees spread whole over the data x fsdp shards; finished trees keep their "
           "pages cached until the step ends. A pool below the worst case evicts that cache, "
           "and below the working set (every decode slot of a shard at max_seq_len) preempts "
-          "branches, recomputing their K/V when they resume; nothing is cut.\n\n" + format_demand(rows) + "\n")
+          "branches, recomputing their K/V when they resume; nothing is cut.\n\n"
+          + format_demand(rows) + "\n")
 
 
 def main(argv):
@@ -272,7 +357,8 @@ def main(argv):
     print(format_table([p]))
     print("\n".join(_breakdown(p)))
     return
-  text = report(c)
+  text = (lora_report(c, _LORA.value, _LORA_TARGETS.value)
+          if _LORA.value > 0 else report(c))
   print(text)
   if _OUT.value:
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)

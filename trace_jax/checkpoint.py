@@ -61,6 +61,14 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
     return out["state"], dict(out["metadata"] or {})
 
+  def metadata(self, step: int | None = None) -> dict:
+    """The JSON metadata of checkpoint `step` (default: the latest), without reading the state."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint found under {self.directory}")
+    out = self._mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+    return dict(out["metadata"] or {})
+
   def close(self):
     self._mgr.close()
 
@@ -137,8 +145,15 @@ def restore_target(c, graphdef, params, mesh=None):
   width = feature_width(nnx.merge(graphdef, params).cfg.hidden_size,
                         c.model.predictor_features)
   head = PredictorHead(width, c.model.predictor_hidden, rngs=nnx.Rngs(0))
-  abstract = jax.eval_shape(lambda: init_train_state(params, nnx.split(head)[1],
-                                                     update_config(c)))
+  trained = params
+  if c.model.lora.rank > 0:  # a LoRA run trains (and saves) adapters on a frozen base
+    from trace_jax.models import lora
+
+    lo = c.model.lora
+    trained = jax.eval_shape(lambda: lora.adapt(graphdef, params, lo.rank, lo.alpha, lo.targets,
+                                                0)[2])
+  abstract = jax.eval_shape(lambda t: init_train_state(t, nnx.split(head)[1], update_config(c)),
+                            trained)
   if mesh is None:  # every leaf on the first device (a checkpoint saved on any mesh restores here)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
                              ("data", "fsdp", "tensor"))
@@ -152,6 +167,8 @@ def restore_run_policy(c, workdir, step, graphdef, params, mesh=None):
   """The policy weights of a run's checkpoint at `step`, as the train loop's sampler gets them:
   the train state's masters cast to `model.param_dtype` (`policy_params`), placed on `mesh` in
   the train loop's sharding. `c` is the run's config; `params` any weights of the run's shapes.
+  A LoRA run (`model.lora.rank > 0`): `params` must be its base (the checkpoint records the base's
+  fingerprint; another base is refused) and the adapters come back merged into it.
   Returns (params, step)."""
   from trace_jax.rl.update import policy_params
 
@@ -159,4 +176,12 @@ def restore_run_policy(c, workdir, step, graphdef, params, mesh=None):
   # The target gives the saved state's structure (optimizer states included); only params are used.
   state, meta = ckpt.restore(restore_target(c, graphdef, params, mesh), step)
   ckpt.close()
+  if c.model.lora.rank > 0:
+    from trace_jax.lora_run import LoraRun, check_checkpoint
+    from trace_jax.models import lora
+
+    run = LoraRun.build(c, graphdef, params, mesh)
+    check_checkpoint(run, meta, workdir)
+    return (lora.merged_weights(run.graphdef, run.base, state["params"]),
+            int(meta.get("step", step)))
   return policy_params(state["params"], c.model.param_dtype), int(meta.get("step", step))

@@ -29,6 +29,26 @@ def knob(default, doc: str, *, choices=None, ge=None, gt=None, le=None, lt=None,
   return dataclasses.field(default=default, metadata=meta)
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # trace_jax.models.lora.TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+  """The run config's `model.lora` section (trace_jax/models/lora.py)."""
+  rank: int = knob(0, "LoRA rank of the RL update (0: full fine-tuning). > 0: the base (the "
+                   "checkpoint, or the warm start, which trains every weight) stays frozen in "
+                   "model.param_dtype; adapters A, B and their Adam moments are f32", ge=0)
+  alpha: float = knob(16.0, "LoRA scale numerator: W + (alpha / rank) A B", gt=0)
+  targets: str = knob("q,k,v,o,gate,up,down", "comma-separated projections given adapters "
+                      f"(any of {', '.join(LORA_TARGETS)}; or all)")
+  dropout: float = knob(0.0, "dropout on the adapters' input; only 0 is supported (the update "
+                        "takes no rng: resume stays exact)", ge=0)
+  sampler: str = knob("merged", "the sampler's weights: merged (W + (alpha / rank) A B formed "
+                      "once per step; decode costs what the base's does) | unmerged (base and "
+                      "adapters, the low-rank product in every matmul; no second copy of the "
+                      "weights)", choices=("merged", "unmerged"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
   """The run config's `model` section."""
@@ -51,6 +71,7 @@ class ModelSection:
                                  "final state over the prompt; "
                                  "projects/mhqa/results/feature_probe.json)",
                                  choices=('last', 'last+prompt_mean'))
+  lora: LoraSection = dataclasses.field(default_factory=LoraSection)
 
 
 SFT_TRACES = ("expert", "oracle")  # the warm start imitates the imperfect expert, or the oracle
@@ -290,6 +311,9 @@ class RLSection:
                       "row segment per leaf, every prefix once per leaf)")
   pack_row_len: int = knob(0, "tree packing's row length (0: env.max_seq_len); longer rows keep "
                            "bigger trees whole at a row's squared attention cost")
+  attention: str = knob("dense", "the update's attention over packed rows: dense ([T, T] mask per "
+                        "row) | blocked (only the key blocks a query block can see, listed on the "
+                        "host; same result, cost follows the tree)", choices=("dense", "blocked"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,7 +512,7 @@ def update_config(c: TrainConfig, **overrides):
   return UpdateConfig(**{**kw, **overrides})
 
 
-__all__ = ["check_knobs", "CkptSection", "DataSection", "EnvSection",
-           "EvalSection", "knob", "knob_error", "knob_table", "knobs", "ModelSection",
+__all__ = ["check_knobs", "CkptSection", "DataSection", "EnvSection", "EvalSection", "knob",
+           "knob_error", "knob_table", "knobs", "LoraSection", "ModelSection",
            "RetrieverSection", "RLSection", "RolloutSection", "sampler_config", "SftSection",
            "TrainConfig", "update_config", "WorldSection"]

@@ -127,6 +127,32 @@ def _predictor_layout(hidden_size, predictor_hidden, sizes, rules) -> float:
                  rules).per_device
 
 
+def lora_layout(cfg: DecoderConfig, sizes: dict, rank: int, targets: str = "all",
+                rules=DEFAULT_RULES) -> float:
+  """Per-device elements of the LoRA adapters (A and B, f32) of `cfg` at `rank` on `targets`
+  (`models.lora`), sharded by their base's logical axes."""
+  return _lora_layout(cfg, tuple(sorted(sizes.items())), rank, targets, tuple(rules))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_adapters(cfg, rank, targets):
+  from trace_jax.models import lora
+
+  def adapted():
+    return lora.attach(Decoder(cfg, rngs=nnx.Rngs(0)), rank, 2.0 * rank, targets, nnx.Rngs(1))
+  return nnx.to_flat_state(nnx.state(nnx.eval_shape(adapted), nnx.LoRAParam))
+
+
+@functools.lru_cache(maxsize=256)
+def _lora_layout(cfg, sizes, rank, targets, rules) -> float:
+  mesh, per = _MeshShape(dict(sizes)), 0.0
+  for _, v in _abstract_adapters(cfg, rank, targets):
+    sds = variable_value(v)
+    per += math.prod(sds.shape) / _spec_factor(
+        logical_to_spec(v.logical_axes, rules, mesh, sds.shape), dict(sizes))
+  return per
+
+
 def master_dtype_of(param_dtype, master_dtype="float32"):
   """The masters' dtype `update.to_master` gives params of `param_dtype`."""
   if master_dtype is None:
@@ -218,12 +244,16 @@ class StepPlan:
 def plan_update_step(cfg: DecoderConfig, mesh_spec, *, rows: int, seq_len: int, micro_batches: int,
                      remat: str = "none", preds_per_row: int = 18, master_dtype="float32",
                      predictor_hidden: int = 256, act_dtype=None, packing: str = "none",
+                     lora_rank: int = 0, lora_targets: str = "all",
                      rules=DEFAULT_RULES) -> StepPlan:
   """The update step as `train.build` jits it (`jit_update_step` with `state_shardings`, state
   donated). rows: the packed batch's rows (all devices), the largest of the run's row buckets
   with `packing="tree"`; act_dtype: the activations' dtype (default cfg.dtype). Tree packing adds
   two i32 per token to the batch (`prev`, `kv_end`) and the final hidden states gathered at each
-  token's predecessor (and their gradient) to the activations."""
+  token's predecessor (and their gradient) to the activations.
+  lora_rank > 0 (`model.lora`): the state is the f32 adapters with their moments, the frozen base
+  an argument in param_dtype (never donated), gradients the adapters' only, no cast copy; the
+  activations add each adapted projection's x A [tokens, r]."""
   sizes = _sizes(mesh_spec)
   dp = sizes["data"] * sizes["fsdp"]
   if rows % (dp * micro_batches):
@@ -251,6 +281,20 @@ def plan_update_step(cfg: DecoderConfig, mesh_spec, *, rows: int, seq_len: int, 
   if packing == "tree":
     terms["tree packing: hidden at each token's predecessor (+ grad)"] = (
         2 * rows_mb * seq_len * cfg.hidden_size * ab)
+  if lora_rank > 0:
+    from trace_jax.models.lora import parse_targets
+
+    ad = lora_layout(cfg, sizes, lora_rank, lora_targets, rules)
+    state = ad * 3 * F32 + npred * 3 * F32
+    base = lay.per_device * pb
+    terms["state (masters + AdamW mu, nu)"] = state
+    terms["frozen base (param_dtype)"] = base
+    terms["grads (accumulator + one micro-batch)"] = 2 * (ad + npred) * F32
+    terms["policy cast of the masters"] = 0.0
+    n_targets = len(parse_targets(lora_targets))
+    terms["LoRA x A per adapted projection"] = (cfg.num_layers * n_targets * rows_mb * seq_len
+                                                * lora_rank * ab)
+    return StepPlan(terms, argument=state + batch + base, output=state, alias=state)
   return StepPlan(terms, argument=state + batch, output=state, alias=state)
 
 
@@ -364,7 +408,8 @@ def plan_memory(cfg: DecoderConfig, mesh_spec, *, num_pages: int, page_size: int
                 micro_batch_seqs: int | None = None, num_slots: int = 256, remat: str = "none",
                 kl_coef: float = 0.0, kv_pool: str = "main", master_dtype="float32",
                 preds_per_row: int = 18, predictor_hidden: int = 256, packing: str = "none",
-                update_seq_len: int | None = None, rules=DEFAULT_RULES) -> MemoryPlan:
+                update_seq_len: int | None = None, lora_rank: int = 0, lora_targets: str = "all",
+                lora_sampler: str = "merged", rules=DEFAULT_RULES) -> MemoryPlan:
   """Per-device memory of one process running the RL loop of `train.py` on a (data, fsdp,
   tensor) mesh: resident weights, optimizer state and KV pool, plus the larger of the update
   step's and the decode step's own temporaries.
@@ -372,7 +417,10 @@ def plan_memory(cfg: DecoderConfig, mesh_spec, *, num_pages: int, page_size: int
   rows: the update batch's packed rows (all devices), split into `micro_batches`;
   `micro_batch_seqs` (the first plan's argument) stands for rows=micro_batch_seqs, one micro-batch.
   update_seq_len: the update rows' length when it differs from `seq_len` (tree packing with
-  `rl.pack_row_len`).
+  `rl.pack_row_len`). lora_rank > 0 (`trace_jax.lora_run`): one frozen base in param_dtype (also
+  the KL reference), f32 adapters and moments, and the sampler's merged copy
+  (`lora_sampler="merged"`) or none (`"unmerged"`, on a mesh without fsdp, where the engine's
+  sampling layout is the base's own).
   """
   if rows is None:
     if micro_batch_seqs is None:
@@ -392,13 +440,22 @@ def plan_memory(cfg: DecoderConfig, mesh_spec, *, num_pages: int, page_size: int
       "KV pool": kv_pool_bytes(cfg, sizes, num_pages=num_pages, page_size=page_size,
                                kv_pool=kv_pool) / GB,
   }
+  if lora_rank > 0:
+    ad = lora_layout(cfg, sizes, lora_rank, lora_targets, rules) * F32
+    copy = lora_sampler == "merged" or sizes["fsdp"] > 1
+    resident.update({
+        "masters": 0.0, "frozen base (param_dtype)": per * pb / GB,
+        "adapters (f32)": ad / GB, "AdamW mu + nu": 2 * ad / GB,
+        "policy weights (sampler)": per * pb / GB if copy else 0.0,
+        "init params (Run.init_params)": ad / GB, "KL reference": 0.0})
   error, update_extra = "", {}
   try:
     up = plan_update_step(cfg, sizes, rows=rows, seq_len=update_seq_len or seq_len,
                           micro_batches=micro_batches,
                           remat=remat, preds_per_row=preds_per_row, master_dtype=master_dtype,
-                          predictor_hidden=predictor_hidden, packing=packing, rules=rules)
-    skip = ("state (masters + AdamW mu, nu)",)
+                          predictor_hidden=predictor_hidden, packing=packing,
+                          lora_rank=lora_rank, lora_targets=lora_targets, rules=rules)
+    skip = ("state (masters + AdamW mu, nu)", "frozen base (param_dtype)")
     update_extra = {k: v / GB for k, v in up.terms.items() if k not in skip}
   except ValueError as e:
     error = str(e)

@@ -67,6 +67,9 @@ class Run:
   synthetic: bool
   t_start: float
   hooks: Hooks = Hooks()
+  # LoRA (model.lora.rank > 0): the frozen base and the adapted graph (`trace_jax.lora_run`);
+  # `init_params` and the train state's params are then the adapters. None: full fine-tuning.
+  lora: Any = None
 
 
 @dataclasses.dataclass

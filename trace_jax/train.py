@@ -43,6 +43,7 @@ from trace_jax.diagnostics import prefix_signal
 from trace_jax.divergence import Diverged, check_divergence
 from trace_jax.evaluate import evaluate
 from trace_jax.fileio import atomic_write_json
+from trace_jax.lora_run import LoraRun, check_checkpoint
 from trace_jax.loop_utils import (NullWriter, StopSignal, default_workdir, global_norm, host_tree,
                                   is_primary, make_predictor, retriever_stats, use_compile_cache)
 from trace_jax.metrics import MetricWriter, format_summary, plot_run, read_jsonl
@@ -141,11 +142,17 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None, task=None) ->
   # Several processes: sampling is process-local, each process's engine on its own block of the
   # mesh with a copy of the weights, sampling its share of the requests and seeing every tree (see
   # `ProcessShardedEngine`); the update runs on the global mesh.
-  if multi:
+  lora = None
+  if multi or (c.model.lora.rank > 0 and mesh.size > 1):
     params = shard_state(params, mesh)
+  if c.model.lora.rank > 0:  # the warm-started weights become the frozen base (trace_jax.lora_run)
+    lora = LoraRun.build(c, graphdef, params, mesh)
   sample_mesh = process_mesh if multi else mesh
-  sample_params = sampling_copy(params, mesh, model.cfg.num_kv_heads) if multi else params
-  engine = SamplerEngine(graphdef, sample_params, sampler_config(c),
+  sample_params = lora.sampler_weights(lora.adapters) if lora else params
+  if multi:
+    sample_params = sampling_copy(sample_params, mesh, model.cfg.num_kv_heads)
+  engine = SamplerEngine(lora.sampler_graphdef if lora else graphdef, sample_params,
+                         sampler_config(c),
                          CheckedEncode(assets.encode, model.cfg.vocab_size),
                          assets.decode, TreeEnvAdapter(env), assets.eos_id,
                          mesh=sample_mesh if sample_mesh.size > 1 else None,
@@ -162,8 +169,10 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None, task=None) ->
 
   # ---- predictor fit and the update step
   update_cfg = update_config(c)
-  if mesh.size > 1 and not multi:  # parameters born in their logical sharding; optimizer states
-    params = shard_state(params, mesh)  # follow them
+  if mesh.size > 1 and not multi and not lora:  # parameters born in their logical sharding;
+    params = shard_state(params, mesh)  # optimizer states follow them
+  if lora:  # the trained parameters are the adapters; the base stays outside the train state
+    params = lora.adapters
   fitter = PredictorFitter(pred_graphdef, make_optimizers(update_cfg)[1],
                            steps=c.rl.predictor_fit_steps,
                            buffer_steps=c.rl.predictor_buffer_steps, seed=c.seed,
@@ -178,25 +187,32 @@ def build(c: TrainConfig, hooks: Hooks | None = None, assets=None, task=None) ->
   if mesh.size > 1:
     shardings = state_shardings(jax.eval_shape(
         lambda: init_train_state(params, pred_params, update_cfg)), mesh)
-  ref_params = (jax.tree.map(jnp.copy, policy_params(params, c.model.param_dtype))
-                if c.rl.kl_coef > 0 else None)
+  ref_params = None  # the KL reference: the warm start (with LoRA, the base: adapters off)
+  if c.rl.kl_coef > 0:
+    ref_params = lora.base if lora else jax.tree.map(
+        jnp.copy, policy_params(params, c.model.param_dtype))
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.ckpt.max_to_keep)
-  update = (jit_update_step(graphdef, pred_graphdef, update_cfg, shardings, None, mesh=mesh)
-            if shardings is not None else jit_update_step(graphdef, pred_graphdef, update_cfg))
+  gd, kw = (lora.graphdef, lora.update_kwargs(mesh, shardings)) if lora else (graphdef, {})
+  update = (jit_update_step(gd, pred_graphdef, update_cfg, shardings, None, mesh=mesh, **kw)
+            if shardings is not None else jit_update_step(gd, pred_graphdef, update_cfg, **kw))
   return Run(c=c, workdir=workdir, mesh=mesh, assets=assets, graphdef=graphdef,
              pred_graphdef=pred_graphdef, env=env, engine=engine, driver=driver, fitter=fitter,
              update=update, predict=predict, writer=writer, ckpt=ckpt, ref_params=ref_params,
              shardings=shardings, init_params=params, init_pred_params=pred_params,
              update_cfg=update_cfg,
              init_param_norm=float(fetch(run_global(global_norm, params))),
-             warm_start=warm_start_info, synthetic=warm, t_start=t_start, hooks=hooks)
+             warm_start=warm_start_info, synthetic=warm, t_start=t_start, hooks=hooks,
+             lora=lora)
 
 
 def init_state(run: Run) -> LoopState:
   """The state before the first RL step: warm-started policy, fresh optimizers and predictor.
   On a mesh, every leaf lives on the mesh (parameters and moments in their sharding, scalars such
   as optimizer counts replicated), so a restored state has the same placement as a fresh one."""
-  train_state = init_train_state(run.init_params, run.init_pred_params, run.update_cfg)
+  init = (run.init_params, run.init_pred_params)
+  if run.lora is not None:  # small: copies, which the update may donate (init_state stays callable)
+    init = jax.tree.map(jnp.copy, init)
+  train_state = init_train_state(*init, run.update_cfg)
   if run.shardings is not None:
     train_state = place_state(train_state, run.shardings)
   else:  # committed, as the update's outputs are: else its second call compiles it again
@@ -205,7 +221,10 @@ def init_state(run: Run) -> LoopState:
 
 
 def _policy(run: Run, state: LoopState):
-  """The sampler's weights: the update's masters in the model's parameter dtype."""
+  """The sampler's weights: the update's masters in the model's parameter dtype (with LoRA, the
+  base and the adapters, merged or side by side: `LoraRun.sampler_weights`)."""
+  if run.lora is not None:
+    return run.lora.sampler_weights(state.train["params"])
   return policy_params(state.train["params"], run.c.model.param_dtype)
 
 
@@ -216,8 +235,8 @@ def save(run: Run, state: LoopState) -> None:
   run.ckpt.save(state.step, state.train, dict(
       step=state.step, totals=state.totals, evals=state.evals, predictions=state.predictions,
       er_hist=state.er_hist, warm_start_probe=state.probe,
-      wall_seconds=wall_seconds(run, state),
-      host=encode_host(host_state(run))), force=True)
+      wall_seconds=wall_seconds(run, state), host=encode_host(host_state(run)),
+      **({"lora": run.lora.meta()} if run.lora else {})), force=True)
 
 
 def restore(run: Run) -> LoopState | None:
@@ -228,6 +247,7 @@ def restore(run: Run) -> LoopState | None:
   if run.ckpt.latest_step() is None:
     run.writer.truncate(-1)  # keep only the warm start's records
     return None
+  check_checkpoint(run.lora, run.ckpt.metadata(), run.ckpt.directory)  # the same base, LoRA
   target = init_state(run)
   train_state, meta = run.ckpt.restore(target.train)
   if run.shardings is not None:
@@ -406,7 +426,8 @@ def update_step(run: Run, state: LoopState, sample: StepSample, rec: dict | None
       batch = run.hooks.batch(state.step, batch)
     t1 = time.time()
     train_state, m = ppo_updates(c, run.mesh, run.update, train_state, batch, state.step,
-                                 graphdef=run.graphdef, ref_params=run.ref_params)
+                                 graphdef=run.graphdef, ref_params=run.ref_params,
+                                 base=run.lora.base if run.lora else None)
     rec.update(m, update_seconds=time.time() - t1,
                **{f"batch_{k}": v for k, v in binfo.items()})
   else:

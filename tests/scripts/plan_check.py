@@ -47,7 +47,7 @@ def planned(p: plan.StepPlan) -> dict:
           "total": p.total, "terms": p.terms}
 
 
-def update_check(rows, seq_len, micro, remat, vocab, packing="none"):
+def update_check(rows, seq_len, micro, remat, vocab, packing="none", lora_rank=0):
   cfg = model_config(vocab_size=vocab)
   mesh = make_mesh(MESH)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
@@ -55,6 +55,15 @@ def update_check(rows, seq_len, micro, remat, vocab, packing="none"):
                                                                        rngs=nnx.Rngs(1))))
   ucfg = U.UpdateConfig(micro_batches=micro, remat=remat, param_dtype=cfg.param_dtype,
                         kl_coef=0.001)
+  extra, kw = (), {}
+  if lora_rank:  # as train.build: the adapters are the state, the frozen base an argument
+    from trace_jax.models import lora
+
+    def adapted():
+      m = Qwen3(cfg, rngs=nnx.Rngs(0))
+      return lora.attach(m, lora_rank, 2.0 * lora_rank, "all", nnx.Rngs(1))
+    graphdef, params, base = nnx.split(nnx.eval_shape(adapted), nnx.LoRAParam, ...)
+    extra, kw = (base,), dict(lora=True, base_shardings=U.state_shardings(base, mesh))
   state = jax.eval_shape(lambda p, q: U.init_train_state(p, q, ucfg), params, pred)
   sh = U.state_shardings(state, mesh)
   k = 18
@@ -69,11 +78,12 @@ def update_check(rows, seq_len, micro, remat, vocab, packing="none"):
   if packing == "tree":
     batch.update(prev=arr((rows, seq_len), jnp.int32), kv_end=arr((rows, seq_len), jnp.int32))
   # As train.build: explicit state shardings, the batch's own (shard_batch) sharding, donation.
-  step = U.jit_update_step(graphdef, pred_graphdef, ucfg, sh, None, mesh=mesh)
-  got = measured(step.lower(state, batch).compile())
+  step = U.jit_update_step(graphdef, pred_graphdef, ucfg, sh, None, mesh=mesh, **kw)
+  got = measured(step.lower(state, batch, *extra).compile())
   want = planned(plan.plan_update_step(cfg, MESH, rows=rows, seq_len=seq_len,
                                        micro_batches=micro, remat=remat, preds_per_row=k,
-                                       predictor_hidden=256, packing=packing))
+                                       predictor_hidden=256, packing=packing,
+                                       lora_rank=lora_rank))
   return {"measured": got, "plan": want}
 
 
@@ -109,7 +119,8 @@ def decode_check(num_slots, num_pages, page_size, max_seq_len, vocab):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--mode", choices=("update", "decode", "both", "all"), required=True)
+  ap.add_argument("--mode", choices=("update", "decode", "both", "all", "lora"), required=True)
+  ap.add_argument("--lora_rank", type=int, default=16, help="--mode lora: the LoRA update")
   ap.add_argument("--rows", type=int, default=16)
   ap.add_argument("--seq_len", type=int, default=256)
   ap.add_argument("--micro", type=int, default=2)
@@ -127,6 +138,10 @@ def main():
     res["update"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab)
   if a.mode == "all":  # the tree-packed update (rl.packing=tree) too
     res["update_tree"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab, "tree")
+  if a.mode == "lora":  # the LoRA update (model.lora.rank > 0) beside full fine-tuning's
+    res["update"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab)
+    res["update_lora"] = update_check(a.rows, a.seq_len, a.micro, a.remat, a.vocab,
+                                      lora_rank=a.lora_rank)
   if a.mode in ("decode", "both", "all"):
     res["decode"] = decode_check(a.slots, a.pages, a.page_size, a.seq_len, a.vocab)
   for step in res.values():

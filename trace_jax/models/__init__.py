@@ -23,14 +23,18 @@ class; a family that needs other layers subclasses it and keeps these calls):
     `attend` (so the sampler imports no family);
   - `logits(hidden [..., D]) -> f32[..., V]`;
   - `forward(tokens, positions, cache, attn_mask, segment_ids, collect_hidden, compute_logits,
-    remat, kv_end) -> dict(logits, hidden, cache, hidden_states)`: without a cache, the forward
-    over packed rows the update runs (segments, or packed trees through `kv_end`); `hidden` is the
+    remat, kv_end, kv_blocks) -> dict(logits, hidden, cache, hidden_states)`: without a cache,
+    the forward over packed rows the update runs (segments, or packed trees through `kv_end`,
+    block-sparse with `kv_blocks`, `models.blocked_attention`); `hidden` is the
     final state the predictor reads; with a cache (`init_cache`), contiguous decoding;
   - `__call__(tokens, positions=None, cache=None, attn_mask=None, segment_ids=None)`.
   The padding, segment, `kv_end` and cache contract is `decoder`'s module docstring.
 - HF import and export: `load_config`, `from_pretrained`, `save_pretrained` (`hf_checkpoint`:
   lazy per-shard safetensors reads, sharded placement, sharded export), and a `Family` entry in
   `registry.FAMILIES`.
+
+LoRA (`models.lora`) works on any family built on the shared decoder: adapters attach to the
+layers' `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`, whose outputs the decoder adds.
 """
 
 import importlib

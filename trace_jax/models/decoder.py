@@ -2,6 +2,7 @@
 merge inside jit): pre-norm GQA attention with rotary positions and a SwiGLU MLP, with the family
 switches of `DecoderConfig` (q/k/v biases, q/k norms, rope scaling, tied embeddings). A family is a
 subclass of `Decoder` with its own config class (`models.qwen3`, `models.qwen2`, `models.llama`).
+Each projection adds its LoRA adapter's output when one is attached (`models.lora`).
 
 Padding and segment contract (tested in tests/test_qwen3_model.py):
 - `attn_mask: bool[B, T]` marks real tokens. Without a cache, a real token attends causally to the
@@ -13,6 +14,9 @@ Padding and segment contract (tested in tests/test_qwen3_model.py):
   seen by the queries at indices k..kv_end[k]-1 only. With nodes laid out in preorder, kv_end of a
   node's tokens is the end of its subtree, so each token attends exactly to its ancestors' tokens
   and its own node's causal past; positions are then the tokens' depths along their root paths.
+- `kv_blocks=(blocks i32[B, nQ, M], counts i32[B, nQ])` (`models.blocked_attention.kv_block_lists`
+  of the same kv_end / segment_ids / attn_mask) runs the cache-free attention over the listed key
+  blocks only (no [T, T] mask is built); the result is the dense mask's.
 - With a cache, new tokens are written at index `cache["lens"][b] + t`; padding must be on the
   right of each row's chunk, and `lens` advances by the number of real tokens.
 """
@@ -25,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.models import lora
 from trace_jax.models.attention import dense_attention
+from trace_jax.models.blocked_attention import blocked_attention
 from trace_jax.models.decoder_config import DecoderConfig
 from trace_jax.models.rope import apply_rope, rope_cos_sin
 
@@ -74,9 +80,9 @@ class Attention(nnx.Module):
   def qkv(self, x, cos, sin):
     """x: [B, T, D] -> q: [B, T, H, hd], k, v: [B, T, Hkv, hd] (normed if `qk_norm`, rotated)."""
     dt = self.cfg.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
+    q = lora.delta(self, "q_proj", x, jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt)))
+    k = lora.delta(self, "k_proj", x, jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt)))
+    v = lora.delta(self, "v_proj", x, jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt)))
     if self.cfg.attention_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -85,7 +91,8 @@ class Attention(nnx.Module):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def out(self, o):
-    return jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(self.cfg.dtype))
+    return lora.delta(self, "o_proj", o,
+                      jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(self.cfg.dtype)))
 
 
 class MLP(nnx.Module):
@@ -98,9 +105,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = self.dtype
-    g = x @ self.gate_proj[...].astype(dt)
-    u = x @ self.up_proj[...].astype(dt)
-    return (jax.nn.silu(g) * u) @ self.down_proj[...].astype(dt)
+    g = lora.delta(self, "gate_proj", x, x @ self.gate_proj[...].astype(dt))
+    u = lora.delta(self, "up_proj", x, x @ self.up_proj[...].astype(dt))
+    h = jax.nn.silu(g) * u
+    return lora.delta(self, "down_proj", h, h @ self.down_proj[...].astype(dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -194,13 +202,15 @@ class Decoder(nnx.Module):
 
   # ---- contiguous forward with an optional KV cache ----------------------------------------------
   def forward(self, tokens, positions=None, cache=None, attn_mask=None, segment_ids=None,
-              collect_hidden=False, compute_logits=True, remat: str = "none", kv_end=None):
+              collect_hidden=False, compute_logits=True, remat: str = "none", kv_end=None,
+              kv_blocks=None):
     """tokens: i32[B, T] -> dict(logits f32[B,T,V], hidden [B,T,D], cache, hidden_states).
 
     compute_logits=False skips the vocabulary projection (logits None), for callers that need
     logits at a few positions only (`self.logits(hidden[...])`). remat ("none" | "full" | "dots",
     see `run_layers`) applies to the cache-free (training) forward only. kv_end (i32[B, T], see the
-    module docstring) narrows the cache-free mask to each key's subtree (packed trees).
+    module docstring) narrows the cache-free mask to each key's subtree (packed trees); kv_blocks
+    (blocks, counts) runs that mask block-sparse (`models.blocked_attention`).
     """
     maybe_logits = self.logits if compute_logits else (lambda h: None)
     b, t = tokens.shape
@@ -210,6 +220,12 @@ class Decoder(nnx.Module):
     if cache is None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      if kv_blocks is not None:
+        def attend(i, q, k, v):
+          return blocked_attention(q, k, v, *kv_blocks, kv_end, segment_ids, attn_mask), None
+
+        hidden, hs, _ = self.run_layers(tokens, positions, attend, collect_hidden, remat)
+        return dict(logits=maybe_logits(hidden), hidden=hidden, cache=None, hidden_states=hs)
       causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
       mask = causal[None] & attn_mask[:, None, :]
       if segment_ids is not None:
@@ -224,8 +240,8 @@ class Decoder(nnx.Module):
       hidden, hs, _ = self.run_layers(tokens, positions, attend, collect_hidden, remat)
       return dict(logits=maybe_logits(hidden), hidden=hidden, cache=None, hidden_states=hs)
 
-    if kv_end is not None:
-      raise ValueError("kv_end (packed trees) is for the cache-free forward only")
+    if kv_end is not None or kv_blocks is not None:
+      raise ValueError("kv_end and kv_blocks (packed rows) are for the cache-free forward only")
     lens = cache["lens"]
     if positions is None:
       positions = lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None]

@@ -31,6 +31,7 @@ DEFAULT_RULES: tuple[tuple[str, object], ...] = (
     ("seq", None),
     ("pages", None),
     ("predictor_hidden", None),
+    ("lora_rank", None),  # LoRA adapters' rank dimension (models.lora): small, replicated
 )
 
 

@@ -18,6 +18,7 @@ from trace_jax.config import TrainConfig
 from trace_jax.loop_utils import host_tree
 from trace_jax.parallel import shard_batch
 from trace_jax.parallel.distributed import run_global
+from trace_jax.models.blocked_attention import kv_block_lists, visible_block_fraction
 from trace_jax.parallel.micro_batch import padded_rows, row_shards
 from trace_jax.rl.batch import build_sequences, build_tree_units, pack_batch, row_buckets
 from trace_jax.rl.update import reference_logprobs
@@ -58,13 +59,25 @@ def training_units(c: TrainConfig, trees) -> list[dict]:
 def pack_rows(c: TrainConfig, mesh, units: list[dict]):
   """(batch, info) of `pack_batch`: a fixed `update_rows` rows unpacked; tree-packed, the
   smallest of `row_buckets` that holds the units (shapes follow the work), up to the token slots
-  of `update_rows` rows of `env.max_seq_len`."""
+  of `update_rows` rows of `env.max_seq_len`. With `rl.attention=blocked` the batch also
+  carries each row's attention block lists (`with_block_lists`)."""
   rows = update_rows(c, mesh)
   if c.rl.packing == "tree":
     multiple = c.rl.micro_batches * c.rl.minibatches * row_shards(mesh if mesh.size > 1 else None)
     cap = -(-rows * c.env.max_seq_len // row_len(c))
-    return pack_batch(units, row_len(c), preds_per_row(c), buckets=row_buckets(cap, multiple))
-  return pack_batch(units, c.env.max_seq_len, preds_per_row(c), num_rows=rows)
+    out = pack_batch(units, row_len(c), preds_per_row(c), buckets=row_buckets(cap, multiple))
+  else:
+    out = pack_batch(units, c.env.max_seq_len, preds_per_row(c), num_rows=rows)
+  return with_block_lists(*out) if c.rl.attention == "blocked" else out
+
+
+def with_block_lists(batch: dict, info: dict):
+  """(batch, info) with `kv_blocks` / `kv_block_count` (`kv_block_lists` of the rows' kv_end and
+  segments), the update's block-sparse attention; info gains `attention_blocks`, the listed share
+  of the causal block pairs."""
+  blocks, counts = kv_block_lists(batch.get("kv_end"), batch["segment_ids"])
+  return (dict(batch, kv_blocks=blocks, kv_block_count=counts),
+          dict(info, attention_blocks=visible_block_fraction(counts)))
 
 
 def minibatch_order(rows: int, minibatches: int, epochs: int, seed: int, step: int):
@@ -81,7 +94,7 @@ def minibatch_order(rows: int, minibatches: int, epochs: int, seed: int, step: i
 
 
 def ppo_updates(c: TrainConfig, mesh, update, train_state, batch: dict, step: int, *,
-                graphdef=None, ref_params=None):
+                graphdef=None, ref_params=None, base=None):
   """`rl.ppo_epochs` x `rl.minibatches` optimizer steps on the packed batch (PPO's reuse of one
   step's rollouts; 1 x 1 is one step on everything). Every update sees the sampler's log-probs as
   the old policy, so from the second update on the ratio moves and the clip acts. Returns the new
@@ -89,7 +102,8 @@ def ppo_updates(c: TrainConfig, mesh, update, train_state, batch: dict, step: in
   update's clip fraction and approximate KL, and `optimizer_steps`.
 
   `update` is the jitted (train_state, minibatch) -> (train_state, metrics) on `mesh`; with
-  `ref_params` (the frozen reference policy of `graphdef`) each minibatch gets its `ref_logp`."""
+  `ref_params` (the frozen reference policy of `graphdef`) each minibatch gets its `ref_logp`.
+  With LoRA, `update` takes the frozen `base` as a third argument (`rl.update.jit_update_step`)."""
   rows = len(batch["tokens"])
   sharded = mesh.size > 1
   groups = minibatch_order(rows, c.rl.minibatches, c.rl.ppo_epochs, c.seed, step)
@@ -102,7 +116,7 @@ def ppo_updates(c: TrainConfig, mesh, update, train_state, batch: dict, step: in
       mb["ref_logp"] = reference_logprobs(
           graphdef, ref_params, mb, c.rl.micro_batches,
           mesh if sharded else None, temperature=c.rollout.temperature)
-    train_state, m = run_global(update, train_state, mb)
+    train_state, m = run_global(update, train_state, mb, *(() if base is None else (base,)))
     records.append({k: float(v) for k, v in jax.device_get(host_tree(m)).items()})
   out = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
   for k in ("skipped", "finite"):  # a step counts as skipped if any of its updates was

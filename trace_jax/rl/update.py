@@ -11,6 +11,10 @@ Scale-out (see DESIGN.md, "Layout at pod scale"):
 - Master weights: when the policy's parameters are lower precision than `master_dtype` (bf16 params,
   f32 masters), the state holds f32 masters and f32 Adam moments; the forward pass runs on the
   masters cast to the policy dtype, exactly the weights the sampler gets from `policy_params`.
+- LoRA (`jit_update_step(..., lora=True)`, `trace_jax.lora_run`): the state's params are the f32
+  adapters (with f32 moments) of a graph with adapters, and the frozen base is a third argument
+  of the update, read in its storage dtype and never donated; the forward adds the adapters'
+  low-rank products to the base's projections (no merged weight, no dense weight gradient).
 - Divergence guard: a step whose loss, gradients or *updated parameters* are not finite, or whose
   update is larger than `max_update_ratio` times the parameters' norm, is skipped inside the jitted
   function: `lax.cond` applies the optimizer only when the would-be update (checked by fused
@@ -35,7 +39,12 @@ Tree-packed batches (`rl.packing=tree`, `trace_jax.rl.batch.build_tree_units`) a
   prev        i32[B, T]   row index of the previous token on each token's root path (its logits
                           predict the token; t - 1 except at a node's first token)
   kv_end      i32[B, T]   end of each token's subtree in the row (the ancestor mask, see the model)
-and their positions are depths along the root paths.
+and their positions are depths along the root paths. With `rl.attention=blocked`
+(`trace_jax.rl.ppo_loop.pack_rows`) the batch also holds
+  kv_blocks      i32[B, nQ, M]  per query block, the key blocks it may see (`kv_block_lists`)
+  kv_block_count i32[B, nQ]     how many of them are listed
+and every forward of the update (policy, predictor features, reference log-probs) runs the
+block-sparse attention instead of the dense [T, T] mask.
 """
 
 from __future__ import annotations
@@ -204,6 +213,11 @@ def span_means(hidden, start, length):
   return (hi - lo) / jnp.maximum(length, 1)[..., None].astype(jnp.float32)
 
 
+def _kv_blocks(mb):
+  """(blocks, counts) for `Decoder.forward(kv_blocks=...)` when the batch carries block lists."""
+  return (mb["kv_blocks"], mb["kv_block_count"]) if "kv_blocks" in mb else None
+
+
 def _next_token_logits(model, out, mb):
   """f32[B, T-1, V]: entry t predicts token t + 1. In a tree-packed batch (`prev` present) the
   logits of token t + 1 are those at its root path's previous token, `prev[t + 1]` (the parent's
@@ -214,13 +228,18 @@ def _next_token_logits(model, out, mb):
   return model.logits(src)
 
 
-def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_norm, cfg):
-  dtype = _policy_dtype(cfg, nnx.merge(graphdef, params))
-  if dtype is not None:  # the forward runs on exactly the weights the sampler runs
-    params = _cast_floats(params, dtype)
-  model = nnx.merge(graphdef, params)
+def _loss(params, pred_params, graphdef, pred_graphdef, mb, normalizer, pred_norm, cfg,
+          base=None):
+  if base is not None:  # LoRA: `params` are the f32 adapters on the frozen base (models.lora)
+    model = nnx.merge(graphdef, base, params)
+  else:
+    dtype = _policy_dtype(cfg, nnx.merge(graphdef, params))
+    if dtype is not None:  # the forward runs on exactly the weights the sampler runs
+      params = _cast_floats(params, dtype)
+    model = nnx.merge(graphdef, params)
   out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
-                      remat=cfg.remat, kv_end=mb.get("kv_end"), compute_logits="prev" not in mb)
+                      remat=cfg.remat, kv_end=mb.get("kv_end"), compute_logits="prev" not in mb,
+                      kv_blocks=_kv_blocks(mb))
   logp, ent = token_logprobs_and_entropy(_next_token_logits(model, out, mb), mb["tokens"][:, 1:],
                                          cfg.temperature)
   pg, m = ppo_clip_loss(
@@ -244,17 +263,19 @@ def make_grad_fn(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | None =
                  rules=DEFAULT_RULES):
   """Returns grads(state, batch) -> (loss, metrics, (policy_grads, predictor_grads)), with the
   batch split into `cfg.micro_batches` micro-batches (each split over the mesh's row axes) whose
-  gradients are summed by `lax.scan`. Gradients are in the masters' dtype."""
+  gradients are summed by `lax.scan`. Gradients are in the masters' dtype. With LoRA, `graphdef`
+  has adapters, `state["params"]` holds them and `grads(state, batch, base)` takes the frozen
+  base."""
   grad_fn = jax.value_and_grad(_loss, argnums=(0, 1), has_aux=True)
 
-  def grads(state, batch):
+  def grads(state, batch, base=None):
     normalizer = jnp.maximum(jnp.sum(batch["mask"][:, 1:]), 1.0)
     pred_norm = jnp.maximum(jnp.sum(batch["pred_weight"]), 1e-6)
     mbs = split_micro_batches(batch, cfg.micro_batches, mesh, rules)
 
     def one(mb):
       return grad_fn(state["params"], state["pred_params"], graphdef, pred_graphdef, mb,
-                     normalizer, pred_norm, cfg)
+                     normalizer, pred_norm, cfg, base)
 
     def body(acc, mb):
       (loss, m), g = one(mb)
@@ -281,8 +302,10 @@ def _all_finite(tree):
 
 
 def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | None = None,
-                     rules=DEFAULT_RULES):
-  """Returns update(state, batch) -> (state, metrics), ready for jax.jit with donation.
+                     rules=DEFAULT_RULES, lora: bool = False):
+  """Returns update(state, batch) -> (state, metrics), ready for jax.jit with donation; with
+  `lora`, update(state, batch, base): `graphdef` is the adapted model's, `state["params"]` its
+  adapters (all that is trained, with the predictor) and `base` the frozen base (never donated).
 
   Metrics (f32 scalars): the loss terms of `ppo_clip_loss`, predictor_bce, num_tokens, loss,
   grad_norm, update_ratio (update norm / parameter norm), finite (1 when loss, gradients and the
@@ -298,8 +321,8 @@ def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | No
     return (optax.apply_updates(state["params"], up), opt,
             optax.apply_updates(state["pred_params"], uq), qopt_state)
 
-  def update(state, batch):
-    loss, metrics, (gp, gq) = grads_fn(state, batch)
+  def update_lora(state, batch, base):
+    loss, metrics, (gp, gq) = grads_fn(state, batch, base)
     gnorm = optax.tree.norm(gp)
     # The would-be update, reduced to a few scalars: XLA fuses these elementwise chains into the
     # reductions, so neither the updates nor the new parameters are stored here.
@@ -325,23 +348,32 @@ def make_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, mesh: Mesh | No
                    param_norm=optax.tree.norm(new["params"]))
     return new, metrics
 
+  if lora:
+    return update_lora
+
+  def update(state, batch):
+    return update_lora(state, batch, None)
   return update
 
 
 def jit_update_step(graphdef, pred_graphdef, cfg: UpdateConfig, state_shardings: Any = None,
-                    batch_shardings: Any = None, mesh: Mesh | None = None, rules=DEFAULT_RULES):
+                    batch_shardings: Any = None, mesh: Mesh | None = None, rules=DEFAULT_RULES,
+                    lora: bool = False, base_shardings: Any = None):
   """jax.jit of the update with the state donated.
 
   With `state_shardings` (from `state_shardings(state, mesh)`) the state goes in and comes out in
   exactly those shardings; `batch_shardings` (from `batch_shardings(batch, mesh)`)
   fixes the batch's.
   The mesh (for the micro-batch split) is taken from the shardings unless given.
+  `lora`: the update takes (state, batch, base) (`make_update_step`), the base in
+  `base_shardings` (from `state_shardings(base, mesh)`), read and never donated.
   """
   mesh = mesh if mesh is not None else _mesh_of(state_shardings)
-  fn = make_update_step(graphdef, pred_graphdef, cfg, mesh, rules)
+  fn = make_update_step(graphdef, pred_graphdef, cfg, mesh, rules, lora=lora)
   if state_shardings is None:
     return jax.jit(fn, donate_argnums=(0,))
-  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_shardings),
+  ins = (state_shardings, batch_shardings) + ((base_shardings,) if lora else ())
+  return jax.jit(fn, donate_argnums=(0,), in_shardings=ins,
                  out_shardings=(state_shardings, None))
 
 
@@ -354,7 +386,8 @@ def _reference_fn(graphdef, micro_batches: int, mesh, rules, temperature: float)
     def body(carry, mb):
       model = nnx.merge(graphdef, ref_params)
       out = model.forward(mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"],
-                          kv_end=mb.get("kv_end"), compute_logits="prev" not in mb)
+                          kv_end=mb.get("kv_end"), compute_logits="prev" not in mb,
+                          kv_blocks=_kv_blocks(mb))
       lp = token_logprobs(_next_token_logits(model, out, mb), mb["tokens"][:, 1:], temperature)
       return carry, jnp.pad(lp, ((0, 0), (1, 0)))
     _, out = jax.lax.scan(body, None, mbs)
@@ -372,5 +405,5 @@ def reference_logprobs(graphdef, ref_params, batch, micro_batches: int = 1,
   Jitted once per (graph, micro_batches, mesh, temperature).
   """
   fn = _reference_fn(graphdef, int(micro_batches), mesh, tuple(rules), float(temperature))
-  keys = ("tokens", "positions", "segment_ids", "prev", "kv_end")
+  keys = ("tokens", "positions", "segment_ids", "prev", "kv_end", "kv_blocks", "kv_block_count")
   return fn(ref_params, {k: batch[k] for k in keys if k in batch})
