@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
+
+from trace_jax.record_compare import compare_records
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # Counts of the sampler's schedule, not of what it sampled.
@@ -34,31 +35,9 @@ def _ignored(key: str) -> bool:
           or "wall" in key)
 
 
-def compare(ample: list[dict], tight: list[dict], rel: float = 1e-5, floor: float = 1e-9) -> dict:
-  """Field-by-field comparison of two runs' records: equal, rounding (relative difference at most
-  `rel`, or both below `floor` in magnitude: noise around zero) or different."""
-  out = {"records": [len(ample), len(tight)], "equal": 0, "rounding": 0, "different": [],
-         "max_relative": 0.0}
-  for ra, rb in zip(ample, tight):
-    for key, va in ra.items():
-      if _ignored(key):
-        continue
-      vb = rb.get(key)
-      nans = all(isinstance(v, float) and math.isnan(v) for v in (va, vb))
-      if va == vb or nans:
-        out["equal"] += 1
-        continue
-      numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
-      if numbers and isinstance(va, float) and (max(abs(va), abs(vb)) < floor or
-                                                abs(va - vb) <= rel * max(abs(va), abs(vb))):
-        out["rounding"] += 1
-        if max(abs(va), abs(vb)) >= floor:
-          out["max_relative"] = max(out["max_relative"], abs(va - vb) / max(abs(va), abs(vb)))
-        continue
-      out["different"].append({"step": ra.get("step"), "key": key, "ample": va, "tight": vb})
-  if len(ample) != len(tight):
-    out["different"].append({"key": "records", "ample": len(ample), "tight": len(tight)})
-  return out
+def compare(ample: list[dict], tight: list[dict]) -> dict:
+  """`trace_jax.record_compare.compare_records` of the two runs, the schedule's fields aside."""
+  return compare_records(ample, tight, ignored=_ignored)
 
 
 def _train(workdir: str, cache: str, steps: int, extra: list[str]) -> tuple[list[dict], float]:
