@@ -278,26 +278,5 @@ def test_update_blocked_equals_dense(row_len, cut):
   assert not _bool_square_masks(grads, row_len, state, dict(blocked, ref_logp=r0))
 
 
-@pytest.mark.slow
-def test_train_step_blocked_equals_dense(tmp_path, tmp_path_factory):
-  """The smoke config's first RL step, tree-packed, through the train loop's own `pack_rows` and
-  jitted update with `rl.attention` dense and blocked: same loss, gradient norm and tokens."""
-  from test_train_smoke import draw_outcomes, smoke_config
-
-  from trace_jax import train
-
-  c = smoke_config(tmp_path_factory, tmp_path / "run", rl__packing="tree")
-  run = train.build(c)
-  state = train.init_state(run)
-  sample, _ = train.sample_step(run, state)
-  draw_outcomes(sample.trees)
-  out = {}
-  for attention in ("dense", "blocked"):
-    cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "attention": attention}))
-    batch, info = train.pack_rows(cp, run.mesh, train.training_units(cp, sample.trees))
-    assert ("kv_blocks" in batch) == (attention == "blocked")
-    _, m = run.update(jax.tree.map(jnp.copy, state.train), batch)
-    out[attention] = jax.device_get(m)
-  for k in ("loss", "grad_norm", "num_tokens", "predictor_bce", "pg_loss"):
-    assert float(out["blocked"][k]) == pytest.approx(float(out["dense"][k]), rel=1e-5, abs=1e-7)
-  assert float(out["dense"]["grad_norm"]) > 0
+# The train loop's own step (pack_rows + the jitted update) blocked against dense:
+# tests/test_tree_packing.py::test_train_step_packed_equals_unpacked.

@@ -186,7 +186,9 @@ def test_packed_gradients_on_the_8_device_mesh():
 @pytest.mark.slow
 def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
   """The smoke config's first RL step, one sample, both layouts of the train loop
-  (`training_units` + `pack_rows` + the run's jitted update): same loss, gradient norm, tokens."""
+  (`training_units` + `pack_rows` + the run's jitted update): same loss, gradient norm, tokens;
+  and the tree layout with blocked attention (`rl.attention=blocked`: block lists in the batch)
+  equal to it with the dense mask."""
   from test_train_smoke import draw_outcomes, smoke_config
 
   from trace_jax import train
@@ -197,16 +199,20 @@ def test_train_step_packed_equals_unpacked(tmp_path, tmp_path_factory):
   sample, rec = train.sample_step(run, state)
   draw_outcomes(sample.trees)
   out = {}
-  for packing in ("none", "tree"):
-    cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing}))
+  for packing, attention in (("none", "dense"), ("tree", "dense"), ("tree", "blocked")):
+    cp = c.replace(rl=c.rl.__class__(**{**c.rl.__dict__, "packing": packing,
+                                         "attention": attention}))
     units = train.training_units(cp, sample.trees)
     batch, info = train.pack_rows(cp, run.mesh, units)
+    assert ("kv_blocks" in batch) == (attention == "blocked")
     ts = jax.tree.map(jnp.copy, state.train)
     _, m = run.update(ts, batch)
-    out[packing] = (jax.device_get(m), info)
-  (m0, i0), (m1, i1) = out["none"], out["tree"]
+    out[packing, attention] = (jax.device_get(m), info)
+  (m0, i0), (m1, i1) = out["none", "dense"], out["tree", "dense"]
+  m2 = out["tree", "blocked"][0]
   for k in ("loss", "grad_norm", "num_tokens", "predictor_bce", "pg_loss"):
     assert float(m1[k]) == pytest.approx(float(m0[k]), rel=1e-4, abs=1e-7), k
+    assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-5, abs=1e-7), k
   assert float(m0["grad_norm"]) > 0 and float(m0["pg_loss"]) != 0
   assert i1["tokens"] < i0["tokens"] and i1["padded_rows"] <= i0["padded_rows"]
 
