@@ -578,13 +578,14 @@ def main():
     want = records(trial_ref) if finished else []
     diff = first_difference(comparable(got, small_pool), comparable(want, small_pool))
     same_records = finished and diff is None
-    same_params = finished and same_state(workdir, trial_ref, a.steps)
     if small_pool and finished:  # recomputed K/V: identical up to float rounding (module doc)
       rounding = compare_records(comparable(got, True), comparable(want, True))
       params_rel = array_difference(final_arrays(workdir, a.steps),
                                     final_arrays(trial_ref, a.steps))
       same_records = not rounding["different"]
       same_params = params_rel <= POOL_PARAMS_REL
+    else:
+      same_params = finished and same_state(workdir, trial_ref, a.steps)
     rl = {r["step"]: r for r in got if "effective_ratio" in r}
     trial = dict(trial=ti, processes=2 if pair else 1, faults=log, attempts=attempts,
                  finished=finished, identical_records=same_records,

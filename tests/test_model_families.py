@@ -96,7 +96,8 @@ def test_logits_and_hidden_states_match_transformers(tmp_path, name):
 def test_round_trip_ours_hf_ours_is_exact(tmp_path, name):
   m, path = _hf_model(tmp_path, name)
   fam = CONFIGS[name][0]
-  ours = {"qwen2": qwen2, "llama": llama}[fam].from_pretrained(path)  # the family's own loader
+  ours = models.from_pretrained(path)  # the registry picks the family from config.json
+  assert type(ours) is {"qwen2": qwen2.Qwen2, "llama": llama.Llama}[fam]
   out_dir = str(tmp_path / "export")
   models.save_pretrained(ours, out_dir, max_shard_bytes=40_000)  # sharded, with an index
   assert os.path.exists(os.path.join(out_dir, "model.safetensors.index.json"))
@@ -167,9 +168,10 @@ def test_registry_dispatches_and_refuses_what_it_cannot_run(tmp_path):
   models.save_pretrained(q3, str(tmp_path / "q3"))
   assert type(models.from_pretrained(str(tmp_path / "q3"))) is models.Qwen3
   assert type(models.load_config(str(tmp_path / "q3"))) is models.Qwen3Config
-  # Each family's own loader reads its own model_type only.
+  # A family's config class reads its own model_type only.
+  from trace_jax.models import hf_checkpoint
   with pytest.raises(ValueError, match="model_type is 'qwen3'"):
-    llama.from_pretrained(str(tmp_path / "q3"))
+    hf_checkpoint.load_config(str(tmp_path / "q3"), models.LlamaConfig)
 
   def write(name, **changes):
     d = models.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

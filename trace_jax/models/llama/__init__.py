@@ -1,8 +1,7 @@
-"""Llama 3.x decoder (Flax NNX), presets and HF import/export."""
+"""Llama 3.x decoder (Flax NNX) and presets;
+HF import/export through `trace_jax.models.from_pretrained` / `save_pretrained`."""
 
 from trace_jax.models.llama.config import PRESETS, LlamaConfig, get_preset
 from trace_jax.models.llama.model import Llama
-from trace_jax.models.llama.params import from_pretrained, load_config, save_pretrained
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "from_pretrained", "get_preset", "load_config",
-           "save_pretrained"]
+__all__ = ["PRESETS", "Llama", "LlamaConfig", "get_preset"]
